@@ -1,0 +1,282 @@
+"""The run's configuration: three typed dataclasses, filled once from the command line.
+
+Config flows one way: flags -> ``RunConfig`` -> constructors. Every flag is a dataclass
+field; its name is the field's name with dashes (Megatron's spelling), its help text is
+the field's ``help`` metadata, and the README's flag table is generated from the same
+fields (``python -m hybridlm.config --markdown``), so code, CLI and docs cannot drift.
+
+``RunConfig.validate(world_size)`` checks every cross-constraint (heads divisible by TP,
+world size a multiple of TP x PP, ...) *before* any process group exists, so a bad
+layout ends in one sentence on every rank instead of a hang inside a collective.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A bad flag, file or combination; the message is one sentence naming it."""
+
+
+def _f(default, help: str, *, choices=None, aliases=(), cli: bool = True):
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "cli": cli})
+
+
+@dataclass
+class ModelConfig:
+    """Every hyper-parameter of the network; independent of how it is parallelised."""
+
+    num_layers: int = _f(4, "Number of transformer layers.")
+    hidden_size: int = _f(128, "Width of the residual stream.")
+    ffn_hidden_size: Optional[int] = _f(None, "MLP inner width (default: 4*hidden, or 8/3*hidden rounded up to 64 with SwiGLU).")
+    num_attention_heads: int = _f(4, "Query heads.")
+    num_query_groups: Optional[int] = _f(None, "Key/value heads for grouped-query attention (default: one per query head).")
+    kv_channels: Optional[int] = _f(None, "Head dimension (default: hidden / heads).")
+    seq_length: int = _f(128, "Tokens per sample.")
+    max_position_embeddings: Optional[int] = _f(None, "Size of the learned position table (default: seq-length).")
+    vocab_size: Optional[int] = _f(None, "Tokenizer vocabulary (default: the built-in tokenizer's).")
+    make_vocab_size_divisible_by: int = _f(128, "Pad the vocabulary to a multiple of this times TP (Megatron's rule).")
+    normalization: str = _f("RMSNorm", "Norm layer.", choices=("RMSNorm", "LayerNorm"))
+    norm_epsilon: float = _f(1e-5, "Epsilon of the norm layers.")
+    position_embedding_type: str = _f("rope", "Positions: rotary (Llama) or a learned table (GPT-2).", choices=("rope", "learned_absolute"))
+    rotary_base: float = _f(10000.0, "RoPE base frequency.")
+    swiglu: bool = _f(True, "SwiGLU MLP (Llama); --no-swiglu gives a GeLU MLP (GPT-2).")
+    add_bias_linear: bool = _f(False, "Biases in the linear layers (GPT-2 style).", aliases=("--disable-bias-linear",))
+    untie_embeddings_and_output_weights: bool = _f(False, "Separate input embedding and output projection.")
+    hidden_dropout: float = _f(0.0, "Dropout on the residual branches.")
+    attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
+    init_method_std: float = _f(0.02, "Std of the normal initialisation (output projections scaled by 1/sqrt(2*layers)).")
+    attention_backend: str = _f("sdpa", "Attention kernel.", choices=("sdpa",))
+    padded_vocab_size: Optional[int] = _f(None, "Derived: vocabulary padded for TP.", cli=False)
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64) if self.swiglu else 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups {self.num_query_groups}.")
+        if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
+            raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}.")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
+
+    def pad_vocab(self, tensor_parallel: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return multiple * math.ceil(self.vocab_size / multiple)
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is laid out over ranks. DP is whatever the world leaves over."""
+
+    tensor_model_parallel_size: int = _f(1, "TP: ranks that split each weight matrix.")
+    pipeline_model_parallel_size: int = _f(1, "PP: pipeline stages (DeepSpeed's 1F1B engine when > 1).")
+    expert_model_parallel_size: int = _f(1, "EP: ranks that split the experts (carved out of DP).")
+    sequence_parallel: bool = _f(False, "Megatron sequence parallelism: shard norms/dropout activations over TP.")
+    recompute_granularity: Optional[str] = _f(None, "Activation recompute: whole layers or only core attention.", choices=("full", "selective"))
+    recompute_num_layers: Optional[int] = _f(None, "With full recompute: recompute the first N layers of each stage (default: all).")
+    partition_activations: Optional[bool] = _f(None, "Split checkpointed activations over TP (default: on with TP>1 and full recompute, off with SP).")
+    zero_stage: int = _f(0, "Derived from the DeepSpeed JSON.", cli=False)
+    data_parallel_size: int = _f(1, "Derived: world / (TP x PP).", cli=False)
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation run: batches, schedule, precision, I/O."""
+
+    deepspeed_config: str = _f("ds_configs/zero1.json", "DeepSpeed JSON; its 'auto' values are filled from these flags.", aliases=("--deepspeed-config",))
+    micro_batch_size: int = _f(4, "Samples per rank per micro-step.")
+    global_batch_size: Optional[int] = _f(None, "Samples per optimizer step over all DP ranks (default: micro x DP).")
+    train_iters: int = _f(200, "Optimizer steps.")
+    lr: float = _f(3e-3, "Peak learning rate.")
+    min_lr: float = _f(3e-4, "Learning rate at the end of the decay.")
+    lr_warmup_iters: int = _f(20, "Linear warm-up steps.")
+    lr_decay_iters: Optional[int] = _f(None, "Steps of decay after warm-up (default: train-iters).")
+    lr_decay_style: str = _f("cosine", "Decay after warm-up.", choices=("cosine", "linear", "constant"))
+    weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases).")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.95, "AdamW beta2.")
+    adam_eps: float = _f(1e-8, "AdamW epsilon.")
+    clip_grad: float = _f(1.0, "Global gradient-norm clip (0 disables).")
+    optimizer_impl: str = _f("auto", "AdamW implementation: torch (fused on GPU), DeepSpeed's CPU Adam for offload, or auto.", choices=("auto", "torch", "deepspeed_cpu"))
+    seed: int = _f(1234, "Seed of initialisation, data order and dropout; the same seed gives the same model at any layout.")
+    bf16: bool = _f(False, "bfloat16 training (fp32 master weights in the optimizer).")
+    fp16: bool = _f(False, "float16 training with dynamic loss scaling.")
+    data_path: Optional[str] = _f(None, "Training data prefix (default: the built-in corpus).")
+    save: Optional[str] = _f(None, "Directory to save checkpoints to.")
+    save_interval: Optional[int] = _f(None, "Save every N steps (default: only at the end).")
+    load: Optional[str] = _f(None, "Directory to resume from (its latest checkpoint).")
+    log_interval: int = _f(10, "Log every N steps.")
+    metrics_file: Optional[str] = _f(None, "JSON-lines file: one record per logged step.")
+    peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: the GPU's datasheet bf16 dense peak).")
+    nvme_path: Optional[str] = _f(None, "Folder for ZeRO-Infinity swap files (fills 'auto' nvme_path in the JSON).")
+    distributed_timeout_minutes: float = _f(10.0, "Collective timeout: a dead rank brings the others down after this long.")
+    exit_after_setup: bool = _f(False, "Validate everything, build the model and engine, then exit (dry run).")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
+
+    def validate(self, world_size: int) -> "RunConfig":
+        """Check the layout against the world and fill derived fields. Pure: no process groups."""
+        m, p, t = self.model, self.parallel, self.train
+        tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+        for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp), ("--expert-model-parallel-size", ep)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {v}.")
+        if world_size % (tp * pp):
+            raise ConfigError(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}; it must equal TP x PP x DP.")
+        p.data_parallel_size = world_size // (tp * pp)
+        if m.num_attention_heads % tp:
+            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
+        if m.num_query_groups % tp:
+            raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}.")
+        if m.ffn_hidden_size % tp:
+            raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}.")
+        if pp > m.num_layers:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every stage needs a layer.")
+        if p.data_parallel_size % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {p.data_parallel_size}.")
+        if p.sequence_parallel and tp == 1:
+            p.sequence_parallel = False  # nothing to shard over; Megatron does the same
+        if p.sequence_parallel and m.seq_length % tp:
+            raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel needs.")
+        if p.recompute_num_layers is not None and p.recompute_granularity != "full":
+            raise ConfigError("--recompute-num-layers needs --recompute-granularity full.")
+        if p.partition_activations is None:
+            p.partition_activations = tp > 1 and p.recompute_granularity == "full" and not p.sequence_parallel
+        elif p.partition_activations and p.sequence_parallel:
+            raise ConfigError("--partition-activations cannot be combined with --sequence-parallel: activations already differ across TP ranks.")
+        if p.zero_stage >= 2 and pp > 1:
+            raise ConfigError(f"ZeRO stage {p.zero_stage} (from {t.deepspeed_config}) cannot be combined with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only.")
+        if t.bf16 and t.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive.")
+        if t.micro_batch_size < 1:
+            raise ConfigError(f"--micro-batch-size must be positive, got {t.micro_batch_size}.")
+        per_step = t.micro_batch_size * p.data_parallel_size
+        if t.global_batch_size is None:
+            t.global_batch_size = per_step
+        if t.global_batch_size % per_step:
+            raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = {t.micro_batch_size} x {p.data_parallel_size}.")
+        if t.train_iters < 1:
+            raise ConfigError(f"--train-iters must be positive, got {t.train_iters}.")
+        if t.lr_decay_iters is None:
+            t.lr_decay_iters = t.train_iters
+        if m.vocab_size is not None:
+            m.padded_vocab_size = m.pad_vocab(tp)
+        return self
+
+    def to_dict(self) -> dict:
+        return {"model": dataclasses.asdict(self.model), "parallel": dataclasses.asdict(self.parallel), "train": dataclasses.asdict(self.train)}
+
+
+# ---------------------------------------------------------------- command line
+
+_SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig))
+
+
+def _cli_fields():
+    for section, cls in _SECTIONS:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli", True):
+                yield section, f, hints[f.name]
+
+
+def _base_type(hint):
+    args = getattr(hint, "__args__", None)
+    return next(a for a in args if a is not type(None)) if args else hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Train a GPT with tensor/sequence/pipeline/data parallelism on DeepSpeed.",
+                                     allow_abbrev=False)
+    for section, f, hint in _cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        typ = _base_type(hint)
+        kw: dict[str, Any] = dict(dest=f.name, help=f.metadata["help"], default=argparse.SUPPRESS)
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = typ
+            if f.metadata["choices"]:
+                kw["choices"] = f.metadata["choices"]
+        names = [flag]
+        if f.name == "deepspeed_config":
+            names = ["--deepspeed_config", "--deepspeed-config"]
+        parser.add_argument(*names, **kw)
+    # Megatron's negative spelling of the bias flag.
+    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=argparse.SUPPRESS,
+                        help="No biases in linear layers (the default).")
+    # The deepspeed launcher appends --local_rank; the rank is read from the environment instead.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
+    """Flags -> RunConfig. Unknown or malformed flags end in argparse's one-line error (exit 2)."""
+    ns = vars(build_parser().parse_args(argv))
+    ns.pop("local_rank", None)
+    return config_from_dict(ns)
+
+
+def config_from_dict(values: dict) -> RunConfig:
+    """Flat {field: value} (as the flags give) -> RunConfig; missing fields keep their defaults."""
+    by_section: dict[str, dict] = {s: {} for s, _ in _SECTIONS}
+    known = {}
+    for section, cls in _SECTIONS:
+        for f in dataclasses.fields(cls):
+            known[f.name] = section
+    for k, v in values.items():
+        if k not in known:
+            raise ConfigError(f"unknown setting '{k}'.")
+        by_section[known[k]][k] = v
+    return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
+                     train=TrainConfig(**by_section["train"]), explicit=frozenset(values))
+
+
+def world_size_from_env() -> int:
+    """The world size the launcher announced (torchrun/deepspeed: WORLD_SIZE; mpirun: OMPI/PMI), else 1."""
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def flags_markdown() -> str:
+    """The README's flag table, generated from the dataclasses."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for _, f, hint in _cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        if _base_type(hint) is bool:
+            flag += " / --no-" + f.name.replace("_", "-")
+        choices = f" ({' / '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+        rows.append(f"| `{flag}` | `{f.default}` | {f.metadata['help']}{choices} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    if "--markdown" in sys.argv:
+        print(flags_markdown())

@@ -1,0 +1,186 @@
+"""The GPT, written once: embedding, transformer layer, final norm, output head, loss.
+
+Llama-style by default (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases); the
+GPT-2 variant (LayerNorm, GeLU, learned positions, biases) is the same code with other
+config values. Activations are [sequence, batch, hidden]: the layout sequence
+parallelism splits along dimension 0.
+
+Every layer is built through a ``ParallelPlan`` (the layer factory from
+``hybridlm.parallel.plan``): the blocks never ask whether they are tensor- or
+sequence-parallel; the plan hands out linears whose outputs or inputs are split and
+says where activations enter the sequence-sharded region. Each block takes one tensor
+and returns one, so the list of blocks is also the pipeline's list of stages' layers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.plan import ParallelPlan
+from ..parallel.tensor_parallel import scaled_init_std
+from .attention import Rotary, get_backend
+
+
+class RMSNorm(nn.Module):
+    """Normalise in fp32, scale in the input dtype (the Llama / Hugging Face definition)."""
+
+    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, plan: ParallelPlan) -> nn.Module:
+    if cfg.normalization == "LayerNorm":
+        module = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
+    else:
+        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
+    return plan.norm(module)
+
+
+class Embedding(nn.Module):
+    """Token ids [batch, seq] -> hidden states [seq, batch, hidden] in the layers' layout."""
+
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+        super().__init__()
+        self.plan = plan
+        self.word_embeddings = plan.embedding(cfg.padded_vocab_size, cfg.hidden_size, init_std=cfg.init_method_std)
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            table = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, device=plan.device, dtype=plan.dtype))
+            self.position_embeddings = plan.replicated(table, init_std=cfg.init_method_std)
+        self.dropout = cfg.hidden_dropout
+
+    def forward(self, tokens):
+        x = self.word_embeddings(tokens.t())
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings[: x.shape[0]].unsqueeze(1)
+        x = self.plan.enter_sequence_region(x)
+        if self.dropout and self.training:
+            with self.plan.region_rng():
+                x = F.dropout(x, self.dropout)
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool):
+        super().__init__()
+        self.plan, self.head_dim = plan, cfg.kv_channels
+        q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
+        self.qkv = plan.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear, init_std=cfg.init_method_std)
+        self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
+                                    init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+        self.rotary = Rotary(cfg.kv_channels, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        self.core = get_backend(cfg.attention_backend)
+        self.dropout = cfg.attention_dropout
+        self.selective_recompute = selective_recompute
+
+    def _core(self, q, k, v):
+        with self.plan.split_rng():
+            return self.core(q, k, v, self.dropout if self.training else 0.0)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(self.qkv.local_sizes, dim=-1)
+        s, b = q.shape[:2]
+        q = q.view(s, b, -1, self.head_dim)
+        k = k.reshape(s, b, -1, self.head_dim)
+        v = v.reshape(s, b, -1, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary.apply(q), self.rotary.apply(k)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
+        if self.selective_recompute and self.training:
+            out = self.plan.checkpoint(self._core, q, k, v)
+        else:
+            out = self._core(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        blocks = [cfg.ffn_hidden_size] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
+        self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std)
+        self.fc2 = plan.row_linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear,
+                                   init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.split(self.fc1.local_sizes, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block. ``recompute`` (set by ``apply_recompute``) recomputes it in backward."""
+
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool = False):
+        super().__init__()
+        self.plan = plan
+        self.input_norm = make_norm(cfg, plan)
+        self.attention = Attention(cfg, plan, selective_recompute=selective_recompute)
+        self.post_attention_norm = make_norm(cfg, plan)
+        self.mlp = MLP(cfg, plan)
+        self.dropout = cfg.hidden_dropout
+        self.recompute = False
+
+    def _residual_dropout(self, x):
+        if not (self.dropout and self.training):
+            return x
+        with self.plan.region_rng():
+            return F.dropout(x, self.dropout)
+
+    def _forward(self, x):
+        x = x + self._residual_dropout(self.attention(self.input_norm(x)))
+        return x + self._residual_dropout(self.mlp(self.post_attention_norm(x)))
+
+    def forward(self, x):
+        if self.recompute and self.training:
+            return self.plan.checkpoint(self._forward, x)
+        return self._forward(x)
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+        super().__init__()
+        self.norm = make_norm(cfg, plan)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+class OutputLayer(nn.Module):
+    """Untied head: hidden -> logits over this rank's share of the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+        super().__init__()
+        self.linear = plan.column_linear(cfg.hidden_size, [cfg.padded_vocab_size], bias=False, init_std=cfg.init_method_std)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def tied_output(embedding: Embedding, x):
+    """Tied head: reuse the (vocab-split) input embedding as the output projection."""
+    return embedding.plan.lm_logits(x, embedding.word_embeddings.weight)
+
+
+class LMLoss:
+    """Mean next-token cross-entropy of vocab-split logits [s, b, v/TP] against labels [b, s]."""
+
+    def __init__(self, plan: ParallelPlan):
+        self.plan = plan
+
+    def __call__(self, logits, labels):
+        return self.plan.cross_entropy(logits, labels.t()).mean()

@@ -1,0 +1,81 @@
+"""The model as a list of layer specs, and the two ways to run that list.
+
+PP > 1: the list becomes a ``deepspeed.pipe.PipelineModule`` (1F1B via
+``engine.train_batch``), each stage building only its own layers. PP = 1: the same list
+is built whole into ``SequentialModel``, an ordinary module that ZeRO-2/3 and offload can
+wrap. ``SequentialModel`` registers layers under the same names PipelineModule does (the
+layer's index in the list, and ``tied_modules.<key>`` for tied layers), so a parameter
+has one name in every layout: initialisation and checkpoints key on it.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import nn
+
+from ..config import ModelConfig
+from ..parallel.plan import ParallelPlan
+from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_output
+
+TIED_KEY = "embed"
+TIED_ATTR = "word_embeddings.weight"
+
+
+def layer_specs(cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool = False) -> list:
+    tied = not cfg.untie_embeddings_and_output_weights
+    embedding = TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, tied_weight_attr=TIED_ATTR) if tied else LayerSpec(Embedding, cfg, plan)
+    layers = [LayerSpec(TransformerLayer, cfg, plan, selective_recompute=selective_recompute) for _ in range(cfg.num_layers)]
+    head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
+            if tied else LayerSpec(OutputLayer, cfg, plan))
+    return [embedding, *layers, LayerSpec(FinalNorm, cfg, plan), head]
+
+
+class SequentialModel(nn.Module):
+    """All specs built in one process: forward(tokens, labels) -> loss, or logits without labels."""
+
+    def __init__(self, specs: list, loss_fn):
+        super().__init__()
+        self.loss_fn = loss_fn
+        self.tied_modules = nn.ModuleDict()
+        self.forward_funcs = []
+        for index, spec in enumerate(specs):
+            if isinstance(spec, TiedLayerSpec):
+                if spec.key not in self.tied_modules:
+                    self.tied_modules[spec.key] = spec.build()
+                module = self.tied_modules[spec.key]
+                self.forward_funcs.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
+            else:
+                module = spec.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+
+    def forward(self, tokens, labels=None):
+        x = tokens
+        for layer in self.forward_funcs:
+            x = layer(x)
+        return x if labels is None else self.loss_fn(x, labels)
+
+
+def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selective_recompute: bool = False) -> nn.Module:
+    """A PipelineModule when ``topology`` has more than one stage, else a SequentialModel."""
+    specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
+    loss = LMLoss(plan)
+    if topology is not None and topology.get_dim("pipe") > 1:
+        return PipelineModule(layers=specs, loss_fn=loss, topology=topology,
+                              partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
+    return SequentialModel(specs, loss)
+
+
+def local_layers(model: nn.Module) -> list:
+    """The layer callables this rank runs, in order."""
+    return list(model.forward_funcs)
+
+
+def apply_recompute(model: nn.Module, num_layers: int | None) -> int:
+    """Full recompute for the first ``num_layers`` transformer layers of this stage (all if None)."""
+    blocks = [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
+    chosen = blocks if num_layers is None else blocks[:num_layers]
+    for block in chosen:
+        block.recompute = True
+    return len(chosen)

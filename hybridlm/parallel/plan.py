@@ -1,0 +1,84 @@
+"""The layer factory the model is built with: tensor-parallel layers for a TP group.
+
+The blocks in ``hybridlm.model.gpt`` ask this object for "a linear whose output is
+split", "a linear whose input is split", "an embedding", "a norm", and for the points
+where activations enter and leave the sequence-sharded region. They never ask whether
+they are tensor- or sequence-parallel: with TP=1 the same layers degrade to plain
+matmuls with no communication.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .random import tensor_parallel_rng
+from .sequence import scatter_to_sequence, sum_grad_over_tp
+from .state import SINGLE, GroupHandle
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _tag,
+                              column_parallel_matmul, vocab_parallel_cross_entropy)
+
+
+class ParallelPlan:
+    def __init__(self, tp: GroupHandle = SINGLE, *, sequence_parallel: bool = False,
+                 checkpoint: Callable | None = None, device=None, dtype=None):
+        self.tp = tp
+        self.sequence_parallel = sequence_parallel and tp.size > 1
+        self.device, self.dtype = device, dtype
+        self._checkpoint = checkpoint
+
+    # ---- layers
+    def column_linear(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, init_std: float) -> ColumnParallelLinear:
+        return ColumnParallelLinear(input_size, output_sizes, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
+                                    init_std=init_std, device=self.device, dtype=self.dtype)
+
+    def row_linear(self, input_size: int, output_size: int, *, bias: bool, init_std: float) -> RowParallelLinear:
+        return RowParallelLinear(input_size, output_size, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
+                                 init_std=init_std, device=self.device, dtype=self.dtype)
+
+    def embedding(self, num_embeddings: int, dim: int, *, init_std: float) -> VocabParallelEmbedding:
+        return VocabParallelEmbedding(num_embeddings, dim, self.tp, init_std=init_std, device=self.device, dtype=self.dtype)
+
+    def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,
+                   in_sequence_region: bool = False) -> nn.Parameter:
+        """Tag a parameter every TP rank holds whole. Inside the sequence-sharded region its
+        gradient is a per-rank partial sum, completed by an all-reduce."""
+        _tag(param, None, init_std, init_value)
+        if in_sequence_region and self.sequence_parallel:
+            sum_grad_over_tp(param, self.tp)
+        return param
+
+    def norm(self, module: nn.Module) -> nn.Module:
+        """Register a norm layer (weight initialised to 1, bias to 0); it runs in the sequence region."""
+        for name, param in module.named_parameters():
+            self.replicated(param, init_value=1.0 if name == "weight" else 0.0, in_sequence_region=True)
+        return module
+
+    # ---- activations crossing region boundaries
+    def enter_sequence_region(self, x: torch.Tensor) -> torch.Tensor:
+        """Full replicated [s, b, h] -> the layout the transformer layers take (SP: this rank's slice)."""
+        return scatter_to_sequence(x, self.tp) if self.sequence_parallel else x
+
+    def lm_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Output projection with a vocab-split weight (the tied embedding's or the head's)."""
+        return column_parallel_matmul(x, weight, None, self.tp, self.sequence_parallel)
+
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, target, self.tp)
+
+    def split_rng(self):
+        """Random context for activations split over TP (heads, sequence slices)."""
+        return tensor_parallel_rng() if self.tp.size > 1 else contextlib.nullcontext()
+
+    def region_rng(self):
+        """Random context for activations in the sequence region (split only under SP)."""
+        return self.split_rng() if self.sequence_parallel else contextlib.nullcontext()
+
+    def checkpoint(self, function: Callable, *args):
+        """Recompute ``function`` in backward (DeepSpeed's checkpoint: RNG- and TP-aware)."""
+        if self._checkpoint is None:
+            from deepspeed import checkpointing
+            self._checkpoint = checkpointing.checkpoint
+        return self._checkpoint(function, *args)

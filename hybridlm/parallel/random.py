@@ -1,0 +1,44 @@
+"""TP-aware random streams for dropout, shared with DeepSpeed's activation checkpointing.
+
+Two streams, as in Megatron:
+  * the default generator, seeded identically on every TP rank: dropout on activations
+    that are replicated over TP (the residual stream without SP) must draw the same mask;
+  * a tracked "model-parallel" stream, seeded differently per TP rank: dropout on
+    activations split over TP (attention heads, sequence-parallel slices) must not.
+
+The tracked stream lives in DeepSpeed's own ``CudaRNGStatesTracker`` (it works on any
+accelerator, CPU included) because ``deepspeed.checkpointing.checkpoint`` saves and
+restores exactly that tracker when it recomputes a layer: masks in the recomputed
+forward then equal the original ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+_TP_STREAM = ds_checkpointing._MODEL_PARALLEL_RNG_TRACKER_NAME
+
+
+def seed_everything(seed: int, tp_rank: int, pp_rank: int = 0) -> None:
+    """Seed python, numpy, torch and the TP stream. Parameter init does not use these:
+    it draws from per-parameter generators so it is independent of the layout."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    get_accelerator().manual_seed_all(seed)
+    tracker = ds_checkpointing.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(_TP_STREAM, seed + 2718 + tp_rank + 100 * pp_rank)
+
+
+def tensor_parallel_rng():
+    """Context for randomness on TP-split activations (a no-op before seeding)."""
+    tracker = ds_checkpointing.get_cuda_rng_tracker()
+    if _TP_STREAM not in tracker.get_states():
+        return contextlib.nullcontext()
+    return tracker.fork(_TP_STREAM)

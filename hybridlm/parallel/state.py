@@ -1,0 +1,149 @@
+"""Process groups: one object built from DeepSpeed's topology, passed to whoever needs a group.
+
+Rank order follows DeepSpeed's ``PipeModelDataParallelTopology`` with axes (pipe, data,
+model): TP is innermost, so a TP group is consecutive ranks (one node's NVLink island),
+then DP, then PP outermost. Expert parallelism (EP) is carved out of DP: each DP group is
+cut into consecutive chunks of EP ranks (the EP groups); ranks at the same position in
+each chunk form the expert-data-parallel group that reduces expert gradients.
+
+The rank lists are pure functions of the sizes (``layout_groups``) so they can be tested
+without a cluster; ``ParallelState`` turns them into torch process groups, and also
+answers DeepSpeed's ``mpu`` interface (ZeRO, activation checkpointing and the gradient
+norm ask it for the model- and data-parallel groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch.distributed as dist
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+
+@dataclass(frozen=True)
+class GroupHandle:
+    """A process group with this rank's place in it. ``group=None`` means a group of one."""
+    group: object
+    rank: int
+    size: int
+
+
+SINGLE = GroupHandle(None, 0, 1)
+
+
+def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+
+
+def layout_groups(tp: int, pp: int, dp: int, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of each kind as lists of global ranks, TP innermost."""
+    topo = make_topology(tp, pp, dp)
+    groups = {"tp": topo.get_axis_comm_lists("model"), "dp": topo.get_axis_comm_lists("data"),
+              "pp": topo.get_axis_comm_lists("pipe"), "ep": [], "expert_dp": []}
+    for dp_ranks in groups["dp"]:
+        chunks = [dp_ranks[i:i + ep] for i in range(0, dp, ep)]
+        groups["ep"] += chunks
+        groups["expert_dp"] += [list(column) for column in zip(*chunks)]
+    return groups
+
+
+class ParallelState:
+    """The process groups of one run. Build it once after ``init_process_group``."""
+
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1):
+        self.sizes = dict(tp=tp, pp=pp, dp=dp, ep=ep)
+        self.topology = make_topology(tp, pp, dp)
+        world = tp * pp * dp
+        if not dist.is_initialized():
+            if world != 1:
+                raise RuntimeError(f"a layout of {world} ranks needs torch.distributed to be initialised first")
+            self.grid = None
+            self.tp = self.dp = self.pp = self.ep = self.expert_dp = SINGLE
+            self.global_rank, self.stage = 0, 0
+            return
+        if dist.get_world_size() != world:
+            raise RuntimeError(f"world size {dist.get_world_size()} != TP x PP x DP = {tp} x {pp} x {dp}")
+        self.global_rank = dist.get_rank()
+        # DeepSpeed's grid builds the TP ('slice'), DP, PP and TP x PP groups; ZeRO and the
+        # pipeline engine take their groups from an object like it, so ours are the same ranks.
+        self.grid = PipelineParallelGrid(topology=self.topology)
+        self.stage = self.grid.get_stage_id()
+        self.tp = GroupHandle(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(), tp)
+        self.dp = GroupHandle(self.grid.get_data_parallel_group(), self.grid.get_data_parallel_rank(), dp)
+        self.pp = GroupHandle(self.grid.get_pipe_parallel_group(), self.stage, pp)
+        lists = layout_groups(tp, pp, dp, ep)
+        self.ep = self._new_groups(lists["ep"])
+        self.expert_dp = self._new_groups(lists["expert_dp"])
+
+    def _new_groups(self, rank_lists: list[list[int]]) -> GroupHandle:
+        mine = SINGLE
+        for ranks in rank_lists:  # every rank must create every group, in the same order
+            group = dist.new_group(ranks=ranks)
+            if self.global_rank in ranks:
+                mine = GroupHandle(group, ranks.index(self.global_rank), len(ranks))
+        return mine
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.sizes["pp"] - 1
+
+    def __repr__(self) -> str:
+        return (f"ParallelState(rank={self.global_rank}, tp={self.tp.rank}/{self.tp.size}, pp={self.pp.rank}/{self.pp.size}, "
+                f"dp={self.dp.rank}/{self.dp.size}, ep={self.ep.rank}/{self.ep.size})")
+
+    # ---- DeepSpeed's mpu interface (ZeRO, gradient norm, activation checkpointing)
+    def get_model_parallel_rank(self) -> int:
+        return self.grid.get_model_parallel_rank() if self.grid else 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.grid.get_model_parallel_world_size() if self.grid else 1
+
+    def get_model_parallel_group(self):
+        return self.grid.get_model_parallel_group() if self.grid else None
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.tp.rank
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.tp.size
+
+    def get_tensor_model_parallel_group(self):
+        return self.tp.group
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.tp.rank
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.tp.size
+
+    def get_slice_parallel_group(self):
+        return self.tp.group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dp.rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dp.size
+
+    def get_data_parallel_group(self):
+        return self.dp.group
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.pp.rank
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pp.size
+
+    def get_pipe_parallel_group(self):
+        return self.pp.group
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.pp.rank
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.pp.size
+
+    def get_pipeline_model_parallel_group(self):
+        return self.pp.group

@@ -1,0 +1,222 @@
+"""Megatron-style tensor-parallel layers and the vocab-parallel cross-entropy.
+
+Each layer holds its rank's shard and tags the parameter with a ``Sharding`` that says how
+the shard relates to the full (single-process) tensor. That one tag lets the same code
+initialise any layout from the seed (``hybridlm.model.init``), load a full state dict into
+any layout, and gather a layout back into a full state dict, so "the same seed gives the
+same model at any TP" holds by construction and the correctness oracle can compare
+layouts weight for weight.
+
+A weight made of stacked sub-matrices (QKV, SwiGLU's gate and up) is split block by block:
+each TP rank holds the same slice of every block, so the full tensor never depends on TP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .sequence import gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
+from .state import GroupHandle
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a full tensor is split over TP: along ``dim``, each of ``blocks`` split evenly."""
+    dim: int
+    blocks: tuple[int, ...]
+
+    def full_shape(self, local_shape: torch.Size, tp_size: int) -> tuple[int, ...]:
+        shape = list(local_shape)
+        shape[self.dim] = sum(self.blocks)
+        return tuple(shape)
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        pieces = []
+        for block in torch.split(full, list(self.blocks), dim=self.dim):
+            pieces.append(torch.chunk(block, size, dim=self.dim)[rank])
+        return torch.cat(pieces, dim=self.dim)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        size = len(shards)
+        local_blocks = [b // size for b in self.blocks]
+        per_rank = [torch.split(s, local_blocks, dim=self.dim) for s in shards]
+        return torch.cat([torch.cat([r[i] for r in per_rank], dim=self.dim) for i in range(len(self.blocks))], dim=self.dim)
+
+
+def _tag(param: nn.Parameter, sharding: Sharding | None, init_std: float | None = None, init_value: float | None = None):
+    """Attach what initialisation and checkpoint conversion need to know about a parameter."""
+    param.tp_sharding = sharding
+    if sharding is not None:
+        param.tensor_model_parallel = True  # DeepSpeed's grad-norm counts it on every TP rank
+        param.partition_dim = sharding.dim
+    param.init_std = init_std
+    param.init_value = init_value
+    return param
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the input gradient over TP (each rank used a slice of the weights)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.tp.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Sums partial outputs over TP; backward is the identity."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        x = x.contiguous()
+        dist.all_reduce(x, group=tp.group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x, tp: GroupHandle):
+    return x if tp.size == 1 else _CopyToTensorParallel.apply(x, tp)
+
+
+def reduce_from_tensor_parallel(x, tp: GroupHandle):
+    return x if tp.size == 1 else _ReduceFromTensorParallel.apply(x, tp)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W's output rows split over TP; the output stays split.
+
+    ``output_sizes`` lists stacked blocks (e.g. [q, k, v]); ``local_sizes`` says how wide
+    each block is on this rank, so a caller can split the output without knowing TP.
+    With sequence parallelism the input arrives sequence-sharded and is all-gathered.
+    """
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int], tp: GroupHandle, *, bias: bool,
+                 sequence_parallel: bool, init_std: float, device=None, dtype=None):
+        super().__init__()
+        for size in output_sizes:
+            if size % tp.size:
+                raise ValueError(f"output block {size} is not divisible by TP {tp.size}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.output_sizes = tuple(output_sizes)
+        self.local_sizes = tuple(s // tp.size for s in output_sizes)
+        sharding = Sharding(0, self.output_sizes)
+        self.weight = _tag(nn.Parameter(torch.empty(sum(self.local_sizes), input_size, device=device, dtype=dtype)), sharding, init_std)
+        self.bias = _tag(nn.Parameter(torch.empty(sum(self.local_sizes), device=device, dtype=dtype)), sharding, None, 0.0) if bias else None
+
+    def forward(self, x):
+        return column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+
+
+def column_parallel_matmul(x, weight, bias, tp: GroupHandle, sequence_parallel: bool):
+    x = gather_from_sequence(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
+    return F.linear(x, weight, bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W's input columns split over TP; partial outputs are summed
+    (all-reduce), or summed and sequence-scattered (reduce-scatter) under SP."""
+
+    def __init__(self, input_size: int, output_size: int, tp: GroupHandle, *, bias: bool,
+                 sequence_parallel: bool, init_std: float, device=None, dtype=None):
+        super().__init__()
+        if input_size % tp.size:
+            raise ValueError(f"input size {input_size} is not divisible by TP {tp.size}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.weight = _tag(nn.Parameter(torch.empty(output_size, input_size // tp.size, device=device, dtype=dtype)),
+                           Sharding(1, (input_size,)), init_std)
+        self.bias = None
+        if bias:
+            self.bias = _tag(nn.Parameter(torch.empty(output_size, device=device, dtype=dtype)), None, None, 0.0)
+            if sequence_parallel:
+                sum_grad_over_tp(self.bias, tp)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with its rows (the vocabulary) split over TP; out-of-shard tokens
+    contribute zeros and an all-reduce assembles the full embedding."""
+
+    def __init__(self, num_embeddings: int, dim: int, tp: GroupHandle, *, init_std: float, device=None, dtype=None):
+        super().__init__()
+        if num_embeddings % tp.size:
+            raise ValueError(f"vocabulary {num_embeddings} is not divisible by TP {tp.size}")
+        self.tp = tp
+        self.per_rank = num_embeddings // tp.size
+        self.start = tp.rank * self.per_rank
+        self.weight = _tag(nn.Parameter(torch.empty(self.per_rank, dim, device=device, dtype=dtype)),
+                           Sharding(0, (num_embeddings,)), init_std)
+
+    def forward(self, tokens):
+        if self.tp.size == 1:
+            return F.embedding(tokens, self.weight)
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel(out, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits whose vocabulary is split over TP, without gathering them:
+    three all-reduces of [tokens]-sized tensors (max, target logit, sum of exponentials)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, tp):
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        if tp.size > 1:
+            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - local_max.unsqueeze(-1)
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= per_rank)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if tp.size > 1:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=tp.group)
+            target_logit, sum_exp = both[0], both[1]
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
+    """Per-token loss (fp32) for logits [..., vocab/TP] and targets [...] in full-vocabulary ids."""
+    return _VocabParallelCrossEntropy.apply(logits, target, tp)
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """Megatron's output-projection init: residual branches summed over 2L sub-layers keep unit scale."""
+    return std / math.sqrt(2.0 * num_layers)

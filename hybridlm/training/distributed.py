@@ -1,0 +1,41 @@
+"""Start torch.distributed through DeepSpeed: NCCL on GPUs, gloo on CPUs, a bounded timeout."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+
+
+def on_gpu() -> bool:
+    return get_accelerator().device_name() == "cuda"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_minutes: float) -> None:
+    """Join the process group the launcher described (or a group of one for ``python script.py``)."""
+    if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not on_gpu():
+        # On CPU DeepSpeed compiles a shared-memory all-reduce (~1 min) at start-up that only
+        # its inference path calls; training collectives go through gloo. Skip the build.
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo",
+                               timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if on_gpu():
+        get_accelerator().set_device(local_rank)
+
+
+def device():
+    return get_accelerator().current_device_name()

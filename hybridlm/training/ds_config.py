@@ -1,0 +1,105 @@
+"""Read the DeepSpeed JSON and reconcile it with the flags, before any process group exists.
+
+The shipped configs say "auto" for batch sizes, clipping and precision: those come from
+the flags. A concrete value in the JSON is adopted when the matching flag was not typed,
+and is an error when it was typed with another value: one source of truth, and no
+silent winner.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+
+from ..config import ConfigError, RunConfig
+
+# JSON path -> (flag, config section, field)
+_LINKED = {
+    ("train_micro_batch_size_per_gpu",): ("--micro-batch-size", "train", "micro_batch_size"),
+    ("train_batch_size",): ("--global-batch-size", "train", "global_batch_size"),
+    ("gradient_clipping",): ("--clip-grad", "train", "clip_grad"),
+    ("bf16", "enabled"): ("--bf16", "train", "bf16"),
+    ("fp16", "enabled"): ("--fp16", "train", "fp16"),
+}
+
+
+def read_ds_config(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed_config {path}: no such file.")
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--deepspeed_config {path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}.") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"--deepspeed_config {path}: the top level must be a JSON object.")
+    return ds
+
+
+def _get(ds: dict, keys: tuple):
+    for k in keys:
+        if not isinstance(ds, dict) or k not in ds:
+            return None
+        ds = ds[k]
+    return ds
+
+
+def _set(ds: dict, keys: tuple, value) -> None:
+    for k in keys[:-1]:
+        ds = ds.setdefault(k, {})
+    ds[keys[-1]] = value
+
+
+def adopt_ds_config(ds: dict, cfg: RunConfig, path: str) -> None:
+    """Take concrete JSON values into ``cfg`` (or refuse a conflict); read the ZeRO stage."""
+    for keys, (flag, section, name) in _LINKED.items():
+        value = _get(ds, keys)
+        if value is None or value == "auto":
+            continue
+        target = getattr(cfg, section)
+        if name in cfg.explicit and getattr(target, name) != value:
+            raise ConfigError(f"{flag} {getattr(target, name)} conflicts with \"{'.'.join(keys)}\": {value} in {path}; "
+                              "set one of them (or \"auto\" in the JSON).")
+        setattr(target, name, value)
+    stage = _get(ds, ("zero_optimization", "stage"))
+    if stage not in (None, 0, 1, 2, 3):
+        raise ConfigError(f"{path}: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}.")
+    cfg.parallel.zero_stage = stage or 0
+    if "scheduler" in ds:
+        raise ConfigError(f"{path} has a \"scheduler\" section; the schedule comes from --lr, --min-lr, --lr-warmup-iters "
+                          "and --lr-decay-style, so remove it.")
+
+
+def offload_device(ds: dict, what: str) -> str | None:
+    device = _get(ds, ("zero_optimization", f"offload_{what}", "device"))
+    return None if device in (None, "none") else device
+
+
+def finalize_ds_config(ds: dict, cfg: RunConfig) -> dict:
+    """The dict handed to ``deepspeed.initialize``: every "auto" filled, checked against the layout."""
+    ds = copy.deepcopy(ds)
+    t, p = cfg.train, cfg.parallel
+    gas = cfg.gradient_accumulation_steps
+    declared_gas = ds.get("gradient_accumulation_steps", "auto")
+    if declared_gas != "auto" and declared_gas != gas:
+        raise ConfigError(f"gradient_accumulation_steps {declared_gas} in {t.deepspeed_config} does not match "
+                          f"--global-batch-size {t.global_batch_size} / (--micro-batch-size {t.micro_batch_size} x DP {p.data_parallel_size}) = {gas}.")
+    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    ds["train_batch_size"] = t.global_batch_size
+    ds["gradient_accumulation_steps"] = gas
+    ds["gradient_clipping"] = t.clip_grad
+    _set(ds, ("bf16", "enabled"), t.bf16)
+    _set(ds, ("fp16", "enabled"), t.fp16)
+    ds.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
+    ds.setdefault("wall_clock_breakdown", False)
+    if p.sequence_parallel:
+        # Activations between stages differ across TP ranks under SP: never split-and-regather them.
+        ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
+    for what in ("optimizer", "param"):
+        key = ("zero_optimization", f"offload_{what}", "nvme_path")
+        if _get(ds, key) == "auto":
+            path = t.nvme_path or os.path.join(tempfile.gettempdir(), "hybridlm_nvme")
+            os.makedirs(path, exist_ok=True)
+            _set(ds, key, path)
+    return ds

@@ -1,0 +1,188 @@
+"""From a validated config to a trained model: set-up in a fixed order, then the loop.
+
+Order of set-up (each step needs the previous one):
+  flags + DeepSpeed JSON -> validated RunConfig       (no process group yet: bad input fails here)
+  process group -> ParallelState -> seeds
+  model specs -> PipelineModule (PP>1) or SequentialModel -> layout-independent init
+  recompute flags -> optimizer + schedule -> deepspeed.initialize -> resume -> data
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, RunConfig, parse_args, world_size_from_env
+from ..data.builtin import ByteTokenizer, builtin_tokens
+from ..data.samples import SampleStream, micro_batches
+from ..model.specs import apply_recompute, build_model
+from ..model.weights import init_parameters
+from ..parallel.plan import ParallelPlan
+from ..parallel.random import seed_everything
+from ..parallel.state import ParallelState
+from .distributed import device, init_distributed, on_gpu
+from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
+from .metrics import StepLog, peak_tflops
+from .optim import WarmupDecayLR, build_optimizer
+
+
+def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[RunConfig, dict]:
+    """Reconcile flags with the JSON and validate the layout. Raises ConfigError; touches no process group."""
+    ds = read_ds_config(cfg.train.deepspeed_config)
+    adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
+    if cfg.train.data_path is not None:
+        raise ConfigError(f"--data-path {cfg.train.data_path}: indexed datasets are not supported yet; omit it to train on the built-in corpus.")
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = ByteTokenizer.vocab_size
+    elif cfg.model.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the built-in tokenizer's {ByteTokenizer.vocab_size}.")
+    cfg.validate(world_size if world_size is not None else world_size_from_env())
+    return cfg, finalize_ds_config(ds, cfg)
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    ps: ParallelState
+    engine: object
+    is_pipeline: bool
+    iteration: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.model.seq_length
+
+
+def build_run(cfg: RunConfig, ds_config: dict) -> Run:
+    """Everything after validation: process groups, model, engine, resume."""
+    init_distributed(cfg.train.distributed_timeout_minutes)
+    p = cfg.parallel
+    ps = ParallelState(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
+                       dp=p.data_parallel_size, ep=p.expert_model_parallel_size)
+    seed_everything(cfg.train.seed, ps.tp.rank, ps.pp.rank)
+    if p.recompute_granularity:
+        deepspeed.checkpointing.configure(ps, partition_activations=p.partition_activations)
+
+    plan = ParallelPlan(ps.tp, sequence_parallel=p.sequence_parallel, device=device())
+    model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
+    init_parameters(model, cfg.train.seed, ps.tp)
+    if p.recompute_granularity == "full":
+        apply_recompute(model, p.recompute_num_layers)
+
+    offloading = offload_device(ds_config, "optimizer") is not None
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = build_optimizer(model, cfg.train, offloading=offloading, on_gpu=on_gpu())
+        if offloading and not type(optimizer).__name__.startswith("DeepSpeed"):
+            ds_config["zero_force_ds_cpu_optimizer"] = False
+    t = cfg.train
+    is_pipeline = p.pipeline_model_parallel_size > 1
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config,
+        model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
+        lr_scheduler=lambda opt: WarmupDecayLR(opt, lr=t.lr, min_lr=t.min_lr, warmup=t.lr_warmup_iters,
+                                               decay_iters=t.lr_decay_iters, style=t.lr_decay_style),
+        mpu=None if is_pipeline else ps)
+    run = Run(cfg, ps, engine, is_pipeline)
+    if t.load:
+        load_checkpoint(run, t.load)
+    return run
+
+
+def data_iterator(run: Run) -> Iterator:
+    cfg = run.cfg
+    stream = SampleStream(builtin_tokens(), cfg.model.seq_length, cfg.train.seed)
+    return micro_batches(stream, micro_batch_size=cfg.train.micro_batch_size, global_batch_size=cfg.train.global_batch_size,
+                         dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size, start_iteration=run.iteration, device=device())
+
+
+def train_step(run: Run, batches: Iterator) -> torch.Tensor:
+    """One optimizer step over the global batch; returns the loss averaged over it (every rank)."""
+    engine = run.engine
+    if run.is_pipeline:
+        loss = engine.train_batch(batches)
+    else:
+        total = torch.zeros((), device=engine.device)
+        for _ in range(run.cfg.gradient_accumulation_steps):
+            tokens, labels = next(batches)
+            micro_loss = engine(tokens, labels)
+            engine.backward(micro_loss)
+            engine.step()
+            total += micro_loss.detach().float()
+        loss = total / run.cfg.gradient_accumulation_steps
+        if run.ps.dp.size > 1:
+            dist.all_reduce(loss, group=run.ps.dp.group)
+            loss /= run.ps.dp.size
+    run.iteration += 1
+    return loss
+
+
+def save_checkpoint(run: Run, directory: str) -> None:
+    run.engine.save_checkpoint(directory, tag=f"global_step{run.iteration}",
+                               client_state={"iteration": run.iteration,
+                                             "consumed_samples": run.iteration * run.cfg.train.global_batch_size})
+
+
+def load_checkpoint(run: Run, directory: str) -> None:
+    path, client_state = run.engine.load_checkpoint(directory)
+    if path is None:
+        if dist.get_rank() == 0:
+            print(f"--load {directory}: no checkpoint there yet; starting from iteration 0", flush=True)
+        return
+    run.iteration = client_state["iteration"]
+
+
+def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
+    """The whole job. Returns the logged records (for tests and benchmarks)."""
+    cfg, ds_config = prepare_config(parse_args(argv))
+    run = build_run(cfg, ds_config)
+    if cfg.train.exit_after_setup:
+        return []
+    t = cfg.train
+    rank0 = dist.get_rank() == 0
+    log = StepLog(cfg.model, world_size=dist.get_world_size(), tokens_per_step=run.tokens_per_step,
+                  peak=peak_tflops(t.peak_tflops), metrics_file=t.metrics_file, enabled=rank0)
+    if rank0:
+        print(f"hybridlm: {run.ps} | TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
+              f"DP={cfg.parallel.data_parallel_size} SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
+              f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps", flush=True)
+    batches = data_iterator(run)
+    records = []
+    started = time.perf_counter()
+    while run.iteration < t.train_iters:
+        lr = run.engine.get_lr()[0]
+        loss = train_step(run, batches)
+        if run.iteration % t.log_interval == 0 or run.iteration == t.train_iters:
+            loss_value = loss.item()  # synchronises the device
+            now = time.perf_counter()
+            steps = t.log_interval if run.iteration % t.log_interval == 0 else run.iteration % t.log_interval
+            grad_norm = run.engine.get_global_grad_norm()
+            records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr,
+                                      grad_norm=float(grad_norm) if grad_norm is not None else None,
+                                      step_seconds=(now - started) / steps, total_iters=t.train_iters))
+            started = time.perf_counter()
+        if t.save and t.save_interval and run.iteration % t.save_interval == 0:
+            save_checkpoint(run, t.save)
+    if t.save and not (t.save_interval and run.iteration % t.save_interval == 0):
+        save_checkpoint(run, t.save)
+    log.close()
+    return records
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point for scripts/pretrain.py: bad input is one sentence and exit code 2 on every rank."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    try:
+        pretrain(argv)
+    except ConfigError as e:
+        print(f"error: {e}", flush=True, file=__import__("sys").stderr)
+        return 2
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
