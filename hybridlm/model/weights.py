@@ -66,7 +66,7 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, tp:
     """
     shardings = {name: getattr(p, "tp_sharding", None) for name, p in model.named_parameters()}
     mine = {"tp_rank": tp.rank, "dp_rank": dp.rank,
-            "tensors": {k: (v.detach().float().cpu(), shardings[k]) for k, v in local.items()}}
+            "tensors": {k: (v.detach().float().cpu().clone(), shardings[k]) for k, v in local.items()}}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         everyone = [mine]
     else:

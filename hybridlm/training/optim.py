@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..config import TrainConfig
@@ -24,7 +25,53 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, *, offloading: bool, on_gpu: bool):
+def global_grad_norm(model: nn.Module, ps) -> torch.Tensor:
+    """L2 norm of all gradients of the whole model, identical on every rank.
+
+    Each gradient is counted once: a TP-replicated one only on TP rank 0, a tied weight only
+    on the stage that owns it (DeepSpeed marks the copies ``ds_pipe_replicated``); the sum
+    of squares then goes over the TP x PP group (DP replicas hold equal gradients).
+    """
+    device = next(model.parameters()).device
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if ps.tp.rank != 0 and not getattr(p, "tensor_model_parallel", False):
+            continue
+        total += p.grad.detach().float().pow(2).sum()
+    if ps.get_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return total.sqrt()
+
+
+class ClippingAdamW(torch.optim.AdamW):
+    """AdamW that computes the global gradient norm and clips before stepping.
+
+    Used where DeepSpeed applies the client optimizer directly (fp32 without ZeRO): there
+    its own clipping counts only pipeline stage 0's gradients under PP, and it reports no
+    norm. ZeRO and the bf16/fp16 optimizers compute both correctly and do not need this.
+    """
+
+    def __init__(self, groups, *, model: nn.Module, ps, clip: float, **kwargs):
+        super().__init__(groups, **kwargs)
+        self._model, self._ps, self._clip = model, ps, clip
+        self._global_grad_norm = None  # DeepSpeed reads this attribute after step()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        norm = global_grad_norm(self._model, self._ps)
+        self._global_grad_norm = norm
+        if self._clip > 0:
+            scale = torch.clamp(self._clip / (norm + 1e-6), max=1.0)
+            for p in self._model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return super().step(closure)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, offloading: bool, on_gpu: bool):
+    """Returns (optimizer, whether it clips by itself so DeepSpeed must not)."""
     groups = param_groups(model, cfg.weight_decay)
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     impl = cfg.optimizer_impl
@@ -32,8 +79,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, offloading: bool, on_
         impl = "deepspeed_cpu" if offloading and on_gpu else "torch"
     if impl == "deepspeed_cpu":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
-        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-    return torch.optim.AdamW(groups, fused=on_gpu and not offloading, **kwargs)
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs), False
+    fused = on_gpu and not offloading
+    if zero_stage == 0 and not (cfg.bf16 or cfg.fp16):
+        return ClippingAdamW(groups, model=model, ps=ps, clip=cfg.clip_grad, fused=fused, **kwargs), True
+    return torch.optim.AdamW(groups, fused=fused, **kwargs), False
 
 
 class WarmupDecayLR:

@@ -77,7 +77,10 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     offloading = offload_device(ds_config, "optimizer") is not None
     optimizer = None
     if "optimizer" not in ds_config:
-        optimizer = build_optimizer(model, cfg.train, offloading=offloading, on_gpu=on_gpu())
+        optimizer, clips_itself = build_optimizer(model, cfg.train, ps, zero_stage=p.zero_stage,
+                                                  offloading=offloading, on_gpu=on_gpu())
+        if clips_itself:
+            ds_config["gradient_clipping"] = 0.0
         if offloading and not type(optimizer).__name__.startswith("DeepSpeed"):
             ds_config["zero_force_ds_cpu_optimizer"] = False
     t = cfg.train
