@@ -1,0 +1,16 @@
+"""Test-session set-up: CPU DeepSpeed, one thread per rank, and the repo importable."""
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+# Import the heavy libraries once in the parent: forked ranks inherit them (see harness.py).
+import deepspeed  # noqa: E402,F401
+import torch  # noqa: E402,F401
+
+import hybridlm.training.trainer  # noqa: E402,F401
