@@ -6,6 +6,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
+# One shared cache for DeepSpeed's JIT-built ops (async_io for NVMe: minutes once, seconds after).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hybridlm/torch_extensions"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 

@@ -181,7 +181,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, tp):
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # softmax statistics in fp32 at least
         local_max = logits.max(dim=-1).values
         if tp.size > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
@@ -213,7 +214,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    """Per-token loss (fp32) for logits [..., vocab/TP] and targets [...] in full-vocabulary ids."""
+    """Per-token loss (fp32 or wider) for logits [..., vocab/TP] and targets [...] in full-vocabulary ids."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp)
 
 

@@ -1,0 +1,37 @@
+# Two commands do all set-up on a fresh machine:
+#   make train   builds .venv and runs the built-in default training run (tiny model, CPU, ~1 min)
+#   make test    builds .venv and runs the test suite (what .ci/run calls)
+# TORCH_SPEC is installed first so that deepspeed's plain `torch` requirement is already met
+# (on these machines a CPU wheel of torch 2.13.0 is on disk; on a GPU box pick your CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hybridlm-installed
+
+.PHONY: venv train test test-fast clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -c $(VENV)/constraints.txt -e ".[dev]"
+	@# NVMe offload (ZeRO-Infinity) needs libaio; install it where we may (root with apt), else its test skips.
+	@dpkg -s libaio-dev >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		(apt-get update -qq && apt-get install -y -qq libaio-dev >/dev/null) || echo "note: libaio-dev not installed; NVMe offload unavailable"; }
+	touch $(STAMP)
+
+train: venv
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} PATH=$(abspath $(VENV))/bin:$$PATH deepspeed scripts/pretrain.py --deepspeed_config ds_configs/zero1.json
+
+test: venv
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest
+
+test-fast: venv
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

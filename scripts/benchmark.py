@@ -1,0 +1,11 @@
+"""Benchmark a preset through the real training path:
+`deepspeed --num_gpus N scripts/benchmark.py --model reference --steps 30 -- [pretrain flags]`."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hybridlm.training.benchmark import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hybridlm",
+    version="0.1.0",
+    description="Megatron-style tensor/sequence/pipeline-parallel GPT training inside DeepSpeed, with ZeRO and offload.",
+    python_requires=">=3.10",
+    packages=find_packages(include=["hybridlm", "hybridlm.*"]),
+    package_data={"hybridlm.data": ["builtin/*.jsonl.gz"]},
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19",  # 0.19.8 tested
+        "numpy",
+        "tokenizers>=0.19",
+        "pyyaml",
+        "safetensors",
+    ],
+    extras_require={
+        "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
+        "gpu": ["flash-attn", "transformer-engine[pytorch]"],
+    },
+)

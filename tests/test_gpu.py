@@ -1,0 +1,39 @@
+"""On the GPU machine: NCCL tensor and pipeline parallelism in bf16 track one GPU.
+
+Skipped on CPU machines (CI); run there with `pytest -m gpu`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oracle import ROOT, TINY
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")]
+
+
+def _launch(gpus: int, flags: list[str], metrics) -> list[float]:
+    bin_dir = os.path.dirname(sys.executable)
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    result = subprocess.run([*launcher, "--num_gpus", str(gpus), "scripts/pretrain.py", *flags, "--metrics-file", str(metrics)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    with open(metrics) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+@pytest.mark.parametrize("precision, tol", [(["--bf16"], 2e-2), ([], 1e-4)], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
+def test_two_gpus_track_one_gpu(tmp_path, layout, precision, tol):
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, *precision, "--train-iters", "8", "--log-interval", "1"]
+    one = _launch(1, flags, tmp_path / "one.jsonl")
+    two = _launch(2, flags + layout, tmp_path / "two.jsonl")
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert abs(a - b) <= tol * abs(a), f"step {step}: 2-GPU loss {b} vs 1-GPU {a}"

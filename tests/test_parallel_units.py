@@ -1,0 +1,98 @@
+"""The building blocks, each against its single-process definition."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from oracle import TINY, ds_config
+from hybridlm.parallel.state import layout_groups
+from hybridlm.parallel.tensor_parallel import Sharding
+
+
+def test_tp_is_innermost_then_dp_then_pp():
+    groups = layout_groups(tp=2, pp=2, dp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_groups_are_carved_out_of_each_dp_group():
+    groups = layout_groups(tp=1, pp=1, dp=4, ep=2)
+    assert groups["ep"] == [[0, 1], [2, 3]]
+    assert groups["expert_dp"] == [[0, 2], [1, 3]]
+    with_tp = layout_groups(tp=2, pp=1, dp=4, ep=2)
+    assert with_tp["ep"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert with_tp["expert_dp"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
+def test_blockwise_sharding_round_trips_and_keeps_each_block_split():
+    full = torch.arange(12.0).reshape(6, 2)  # blocks of 4 rows (q) and 2 rows (k)
+    sharding = Sharding(dim=0, blocks=(4, 2))
+    shards = [sharding.shard(full, r, 2) for r in range(2)]
+    assert shards[0].tolist() == [[0, 1], [2, 3], [8, 9]]  # q rows 0-1, k row 0
+    assert shards[1].tolist() == [[4, 5], [6, 7], [10, 11]]
+    assert torch.equal(sharding.unshard(shards), full)
+
+
+def _vocab_parallel_ce(seed: int):
+    import torch.distributed as dist
+    from hybridlm.parallel.state import ParallelState
+    from hybridlm.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    from hybridlm.training.distributed import init_distributed
+    init_distributed(1)
+    ps = ParallelState(tp=dist.get_world_size())
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(5, 3, 64, generator=generator, dtype=torch.float64)
+    target = torch.randint(0, 64, (5, 3), generator=generator)
+    local = logits.chunk(ps.tp.size, dim=-1)[ps.tp.rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, ps.tp)
+    loss.sum().backward()
+    return loss.detach(), local.grad, logits, target
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_cross_entropy_equals_full_softmax(tp):
+    results = run_ranks(tp, _vocab_parallel_ce, int(torch.randint(0, 2**31, ()).item()))
+    loss, _, logits, target = results[0]
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full.reshape(-1, 64), target.reshape(-1), reduction="none").reshape(5, 3)
+    want.sum().backward()
+    assert torch.allclose(loss, want.detach(), rtol=1e-10, atol=1e-12)
+    grad = torch.cat([r[1] for r in results], dim=-1)
+    assert torch.allclose(grad, full.grad, rtol=1e-10, atol=1e-12)
+
+
+def _full_initial_weights(flags: list[str]) -> dict:
+    from hybridlm.config import parse_args
+    from hybridlm.model.weights import gather_full_state_dict
+    from hybridlm.training.trainer import build_run, prepare_config
+    cfg, ds = prepare_config(parse_args(flags))
+    run = build_run(cfg, ds)
+    module = run.engine.module
+    local = {name: p.detach() for name, p in module.named_parameters()}
+    return gather_full_state_dict(local, module, run.ps.tp, run.ps.dp)
+
+
+def test_same_seed_gives_same_full_model_at_any_tp_and_pp():
+    single = run_ranks(1, _full_initial_weights, TINY + ds_config("zero0"))[0]
+    split = run_ranks(4, _full_initial_weights, TINY + ["--tensor-model-parallel-size", "2",
+                                                        "--pipeline-model-parallel-size", "2"] + ds_config("zero0"))[0]
+    assert set(split) == set(single)
+    for name, tensor in single.items():
+        assert torch.equal(split[name], tensor), name
+    other_seed = run_ranks(1, _full_initial_weights, TINY + ["--seed", "8"] + ds_config("zero0"))[0]
+    assert not torch.equal(other_seed["1.attention.qkv.weight"], single["1.attention.qkv.weight"])
+
+
+def test_full_recompute_marks_first_layers_of_each_stage():
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.specs import apply_recompute, build_model
+    from hybridlm.parallel.plan import ParallelPlan
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=256)
+    cfg.padded_vocab_size = 256
+    model = build_model(cfg, ParallelPlan())
+    assert apply_recompute(model, 3) == 3
+    flags = [m.recompute for m in model.forward_funcs if hasattr(m, "recompute")]
+    assert flags == [True, True, True, False]
