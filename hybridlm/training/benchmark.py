@@ -51,14 +51,15 @@ def run_benchmark(argv: list[str]) -> dict | None:
         "final_loss": timed[-1]["loss"],
     }
     label = args.label or (" ".join(extra) or "default")
-    command = "python scripts/benchmark.py " + shlex.join(argv)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    shown = [a for i, a in enumerate(argv) if a != "--results-file" and (i == 0 or argv[i - 1] != "--results-file")]
+    command = f"deepspeed --num_gpus {world} scripts/benchmark.py " + shlex.join(shown)
     print(f"\nBENCH {args.model} [{label}] on {device_label()}: {summary['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
           f"{summary['tflops_per_gpu']:.1f} TFLOP/s/gpu | MFU "
           f"{100 * summary['mfu']:.1f}% | peak {summary['peak_memory_gib']:.1f} GiB | loss {summary['final_loss']:.3f}"
           if summary["mfu"] is not None else f"\nBENCH {args.model} [{label}]: {summary}", flush=True)
     if args.results_file:
         date = datetime.date.today().isoformat()
-        world = dist.get_world_size() if dist.is_initialized() else 1
         rows = [f"{summary['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU", f"{summary['tflops_per_gpu']:.1f} TFLOP/s/GPU"]
         if summary["mfu"] is not None:
             rows.append(f"{100 * summary['mfu']:.1f}% MFU")
