@@ -2,7 +2,6 @@
 import os
 import sys
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -12,7 +11,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 # Import the heavy libraries once in the parent: forked ranks inherit them (see harness.py).
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # on the GPU machine DeepSpeed must pick CUDA
 import deepspeed  # noqa: E402,F401
-import torch  # noqa: E402,F401
 
 import hybridlm.training.trainer  # noqa: E402,F401

@@ -25,14 +25,19 @@ def _launch(gpus: int, flags: list[str], metrics) -> list[float]:
                             env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     with open(metrics) as f:
-        return [json.loads(line)["loss"] for line in f]
+        records = [json.loads(line) for line in f]
+    assert all("max_memory_gib" in r for r in records), "the run did not train on CUDA"
+    return [r["loss"] for r in records]
 
 
 @pytest.mark.parametrize("precision, tol", [(["--bf16"], 2e-2), ([], 1e-4)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                     ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
 def test_two_gpus_track_one_gpu(tmp_path, layout, precision, tol):
-    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, *precision, "--train-iters", "8", "--log-interval", "1"]
+    # A gentle learning rate: at TINY's 1e-2 the run is chaotic enough that bf16 rounding alone
+    # moves step 8 by 5% (seen with PP=2); the fp32 case checks the math at 1e-4.
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, *precision, "--lr", "1e-3", "--train-iters", "8",
+             "--log-interval", "1"]
     one = _launch(1, flags, tmp_path / "one.jsonl")
     two = _launch(2, flags + layout, tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):

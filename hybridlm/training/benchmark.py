@@ -52,7 +52,9 @@ def run_benchmark(argv: list[str]) -> dict | None:
     }
     label = args.label or (" ".join(extra) or "default")
     world = dist.get_world_size() if dist.is_initialized() else 1
-    shown = [a for i, a in enumerate(argv) if a != "--results-file" and (i == 0 or argv[i - 1] != "--results-file")]
+    # The command as a user types it: the launcher adds --local_rank itself.
+    shown = [a for i, a in enumerate(argv) if a != "--results-file" and not a.startswith("--local_rank")
+             and (i == 0 or argv[i - 1] != "--results-file")]
     command = f"deepspeed --num_gpus {world} scripts/benchmark.py " + shlex.join(shown)
     print(f"\nBENCH {args.model} [{label}] on {device_label()}: {summary['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
           f"{summary['tflops_per_gpu']:.1f} TFLOP/s/gpu | MFU "

@@ -6,6 +6,7 @@ import os
 import socket
 
 import deepspeed
+import deepspeed.ops
 from deepspeed.accelerator import get_accelerator
 
 
@@ -28,7 +29,6 @@ def init_distributed(timeout_minutes: float) -> None:
     if not on_gpu():
         # On CPU DeepSpeed compiles a shared-memory all-reduce (~1 min) at start-up that only
         # its inference path calls; training collectives go through gloo. Skip the build.
-        import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo",
                                timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False)
