@@ -125,7 +125,6 @@ class TrainConfig:
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: the GPU's datasheet bf16 dense peak).")
     nvme_path: Optional[str] = _f(None, "Folder for ZeRO-Infinity swap files (fills 'auto' nvme_path in the JSON).")
     distributed_timeout_minutes: float = _f(10.0, "Collective timeout: a dead rank brings the others down after this long.")
-    exit_after_setup: bool = _f(False, "Validate everything, build the model and engine, then exit (dry run).")
 
 
 @dataclass

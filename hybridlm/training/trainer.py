@@ -144,8 +144,6 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     """The whole job. Returns the logged records (for tests and benchmarks)."""
     cfg, ds_config = prepare_config(parse_args(argv))
     run = build_run(cfg, ds_config)
-    if cfg.train.exit_after_setup:
-        return []
     t = cfg.train
     rank0 = dist.get_rank() == 0
     log = StepLog(cfg.model, world_size=dist.get_world_size(), tokens_per_step=run.tokens_per_step,
@@ -156,19 +154,19 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
               f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps", flush=True)
     batches = data_iterator(run)
     records = []
-    started = time.perf_counter()
+    last_logged, started = run.iteration, time.perf_counter()
     while run.iteration < t.train_iters:
         lr = run.engine.get_lr()[0]
         loss = train_step(run, batches)
         if run.iteration % t.log_interval == 0 or run.iteration == t.train_iters:
-            loss_value = loss.item()  # synchronises the device
+            loss_value = loss.item()  # synchronises the device, so the clock below is honest
             now = time.perf_counter()
-            steps = t.log_interval if run.iteration % t.log_interval == 0 else run.iteration % t.log_interval
             grad_norm = run.engine.get_global_grad_norm()
             records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr,
                                       grad_norm=float(grad_norm) if grad_norm is not None else None,
-                                      step_seconds=(now - started) / steps, total_iters=t.train_iters))
-            started = time.perf_counter()
+                                      step_seconds=(now - started) / (run.iteration - last_logged),
+                                      total_iters=t.train_iters))
+            last_logged, started = run.iteration, time.perf_counter()
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run, t.save)
     if t.save and not (t.save_interval and run.iteration % t.save_interval == 0):
