@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Megatron's negative spelling of the bias flag.
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=argparse.SUPPRESS,
                         help="No biases in linear layers (the default).")
+    # Megatron-DeepSpeed scripts pass --deepspeed; DeepSpeed is always on here.
+    parser.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank; the rank is read from the environment instead.
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parser
@@ -238,6 +240,7 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
     """Flags -> RunConfig. Unknown or malformed flags end in argparse's one-line error (exit 2)."""
     ns = vars(build_parser().parse_args(argv))
     ns.pop("local_rank", None)
+    ns.pop("deepspeed", None)
     return config_from_dict(ns)
 
 

@@ -136,9 +136,9 @@ def _tokenizer(spec: TokenizerSpec):
 
 
 def _worker_init(threads: int) -> None:
-    # Read by the tokenizer's Rust thread pool when it starts, i.e. at the first encode in this process.
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    # Read by the tokenizer's Rust thread pool when it starts, i.e. at the first encode in this
+    # process; a value the user exported wins.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
 
 def _parse_line(raw: bytes, keys: Sequence[str]):

@@ -17,7 +17,7 @@ from torch import nn
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, _tag,
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, tag_parameter,
                               column_parallel_matmul, vocab_parallel_cross_entropy)
 
 
@@ -45,7 +45,7 @@ class ParallelPlan:
                    in_sequence_region: bool = False) -> nn.Parameter:
         """Tag a parameter every TP rank holds whole. Inside the sequence-sharded region its
         gradient is a per-rank partial sum, completed by an all-reduce."""
-        _tag(param, None, init_std, init_value)
+        tag_parameter(param, None, init_std, init_value)
         if in_sequence_region and self.sequence_parallel:
             sum_grad_over_tp(param, self.tp)
         return param

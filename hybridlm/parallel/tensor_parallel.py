@@ -49,7 +49,7 @@ class Sharding:
         return torch.cat([torch.cat([r[i] for r in per_rank], dim=self.dim) for i in range(len(self.blocks))], dim=self.dim)
 
 
-def _tag(param: nn.Parameter, sharding: Sharding | None, init_std: float | None = None, init_value: float | None = None):
+def tag_parameter(param: nn.Parameter, sharding: Sharding | None, init_std: float | None = None, init_value: float | None = None):
     """Attach what initialisation and checkpoint conversion need to know about a parameter."""
     param.tp_sharding = sharding
     if sharding is not None:
@@ -115,8 +115,8 @@ class ColumnParallelLinear(nn.Module):
         self.output_sizes = tuple(output_sizes)
         self.local_sizes = tuple(s // tp.size for s in output_sizes)
         sharding = Sharding(0, self.output_sizes)
-        self.weight = _tag(nn.Parameter(torch.empty(sum(self.local_sizes), input_size, device=device, dtype=dtype)), sharding, init_std)
-        self.bias = _tag(nn.Parameter(torch.empty(sum(self.local_sizes), device=device, dtype=dtype)), sharding, None, 0.0) if bias else None
+        self.weight = tag_parameter(nn.Parameter(torch.empty(sum(self.local_sizes), input_size, device=device, dtype=dtype)), sharding, init_std)
+        self.bias = tag_parameter(nn.Parameter(torch.empty(sum(self.local_sizes), device=device, dtype=dtype)), sharding, None, 0.0) if bias else None
 
     def forward(self, x):
         return column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
@@ -137,11 +137,11 @@ class RowParallelLinear(nn.Module):
         if input_size % tp.size:
             raise ValueError(f"input size {input_size} is not divisible by TP {tp.size}")
         self.tp, self.sequence_parallel = tp, sequence_parallel
-        self.weight = _tag(nn.Parameter(torch.empty(output_size, input_size // tp.size, device=device, dtype=dtype)),
+        self.weight = tag_parameter(nn.Parameter(torch.empty(output_size, input_size // tp.size, device=device, dtype=dtype)),
                            Sharding(1, (input_size,)), init_std)
         self.bias = None
         if bias:
-            self.bias = _tag(nn.Parameter(torch.empty(output_size, device=device, dtype=dtype)), None, None, 0.0)
+            self.bias = tag_parameter(nn.Parameter(torch.empty(output_size, device=device, dtype=dtype)), None, None, 0.0)
             if sequence_parallel:
                 sum_grad_over_tp(self.bias, tp)
 
@@ -162,7 +162,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         self.per_rank = num_embeddings // tp.size
         self.start = tp.rank * self.per_rank
-        self.weight = _tag(nn.Parameter(torch.empty(self.per_rank, dim, device=device, dtype=dtype)),
+        self.weight = tag_parameter(nn.Parameter(torch.empty(self.per_rank, dim, device=device, dtype=dtype)),
                            Sharding(0, (num_embeddings,)), init_std)
 
     def forward(self, tokens):

@@ -9,6 +9,7 @@ Order of set-up (each step needs the previous one):
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -181,7 +182,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         pretrain(argv)
     except ConfigError as e:
-        print(f"error: {e}", flush=True, file=__import__("sys").stderr)
+        print(f"error: {e}", flush=True, file=sys.stderr)
         return 2
     if dist.is_initialized():
         dist.barrier()
