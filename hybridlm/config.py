@@ -106,7 +106,9 @@ class TrainConfig:
     min_lr: float = _f(3e-4, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = _f(20, "Linear warm-up steps.")
     lr_decay_iters: Optional[int] = _f(None, "Steps of decay after warm-up (default: train-iters).")
-    lr_decay_style: str = _f("cosine", "Decay after warm-up.", choices=("cosine", "linear", "constant"))
+    lr_decay_style: str = _f("cosine", "Decay after warm-up (wsd: constant, then a final decay).", choices=("cosine", "linear", "constant", "wsd"))
+    lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: steps of the final decay (default: 10% of --lr-decay-iters).")
+    lr_wsd_decay_style: str = _f("linear", "WSD: shape of the final decay.", choices=("linear", "cosine", "exponential", "minus_sqrt"))
     weight_decay: float = _f(0.1, "AdamW weight decay (not applied to norms and biases).")
     adam_beta1: float = _f(0.9, "AdamW beta1.")
     adam_beta2: float = _f(0.95, "AdamW beta2.")
@@ -119,7 +121,10 @@ class TrainConfig:
     data_path: Optional[str] = _f(None, "Training data prefix (default: the built-in corpus).")
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     save_interval: Optional[int] = _f(None, "Save every N steps (default: only at the end).")
-    load: Optional[str] = _f(None, "Directory to resume from (its latest checkpoint).")
+    keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints, keeping this many (default: keep all).")
+    load: Optional[str] = _f(None, "Directory to resume from (its latest complete checkpoint).")
+    ckpt_step: Optional[int] = _f(None, "With --load: resume from global_step<N> instead of the latest.")
+    max_bad_steps: int = _f(5, "Stop after this many consecutive skipped (overflowing or non-finite) steps; 0 never stops.")
     log_interval: int = _f(10, "Log every N steps.")
     metrics_file: Optional[str] = _f(None, "JSON-lines file: one record per logged step.")
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: the GPU's datasheet bf16 dense peak).")
@@ -183,6 +188,12 @@ class RunConfig:
             raise ConfigError(f"--train-iters must be positive, got {t.train_iters}.")
         if t.lr_decay_iters is None:
             t.lr_decay_iters = t.train_iters
+        if t.lr_decay_style == "wsd" and t.lr_wsd_decay_iters is None:
+            t.lr_wsd_decay_iters = max(1, t.lr_decay_iters // 10)
+        if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
+            raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got {t.keep_last_n_checkpoints}.")
+        if t.ckpt_step is not None and not t.load:
+            raise ConfigError("--ckpt-step needs --load.")
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         return self
@@ -229,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Megatron's negative spelling of the bias flag.
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=argparse.SUPPRESS,
                         help="No biases in linear layers (the default).")
+    parser.add_argument("--config", default=None, metavar="RUN.yaml",
+                        help="YAML file with the same keys as the flags (dashes or underscores); flags win over it.")
     # Megatron-DeepSpeed scripts pass --deepspeed; DeepSpeed is always on here.
     parser.add_argument("--deepspeed", action="store_true", help=argparse.SUPPRESS)
     # The deepspeed launcher appends --local_rank; the rank is read from the environment instead.
@@ -237,11 +250,57 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
-    """Flags -> RunConfig. Unknown or malformed flags end in argparse's one-line error (exit 2)."""
+    """Flags (over ``--config`` YAML) -> RunConfig. Unknown or malformed flags end in argparse's
+    one-line error (exit 2); a bad YAML file in a ConfigError naming it."""
     ns = vars(build_parser().parse_args(argv))
     ns.pop("local_rank", None)
     ns.pop("deepspeed", None)
-    return config_from_dict(ns)
+    path = ns.pop("config", None)
+    values = load_yaml(path) if path else {}
+    values.update(ns)
+    return config_from_dict(values)
+
+
+def _cli_types() -> dict[str, type]:
+    return {f.name: _base_type(hint) for _, f, hint in _cli_fields()}
+
+
+def load_yaml(path: str) -> dict:
+    """A run file: {flag name (dashes or underscores): value}, each value checked against the flag's type."""
+    import yaml
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file.")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"--config {path}: invalid YAML{where}: {getattr(e, 'problem', e)}.") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of flag names to values.")
+    types, values = _cli_types(), {}
+    for key, value in raw.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in types:
+            raise ConfigError(f"--config {path}: unknown setting '{key}'.")
+        typ = types[name]
+        if value is not None and not isinstance(value, typ) and not (typ is float and isinstance(value, int)):
+            try:
+                value = typ(value) if typ is not bool else {"true": True, "false": False}[str(value).lower()]
+            except (ValueError, KeyError):
+                raise ConfigError(f"--config {path}: '{key}' should be a {typ.__name__}, got {value!r}.") from None
+        values[name] = value
+    return values
+
+
+def effective_yaml(cfg: RunConfig) -> str:
+    """The run's settings as a --config file that reproduces it."""
+    import yaml
+    flat = {}
+    for section, f, _ in _cli_fields():
+        flat[f.name.replace("_", "-")] = getattr(getattr(cfg, section), f.name)
+    return yaml.safe_dump(flat, sort_keys=False)
 
 
 def config_from_dict(values: dict) -> RunConfig:

@@ -61,14 +61,14 @@ class StepLog:
             self.file = open(metrics_file, "a")
 
     def record(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, step_seconds: float,
-               total_iters: int) -> dict:
+               total_iters: int, skipped_steps: int = 0) -> dict:
         tokens_per_sec = self.tokens_per_step / step_seconds
         tflops = self.flops_per_step / step_seconds / self.world_size / 1e12
         record = {
             "iteration": iteration, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_gpu": tokens_per_sec / self.world_size,
             "tflops_per_gpu": tflops, "mfu": tflops / self.peak if self.peak else None,
-            "step_seconds": step_seconds, "time": time.time(),
+            "step_seconds": step_seconds, "skipped_steps": skipped_steps, "time": time.time(),
         }
         if torch.cuda.is_available():
             record["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -76,6 +76,7 @@ class StepLog:
             mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
             mem = f" | mem {record['max_memory_gib']:.1f} GiB" if "max_memory_gib" in record else ""
             norm = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+            skipped = f" | skipped {skipped_steps}" if skipped_steps else ""
             eta = (total_iters - iteration) * step_seconds
             print(f"iter {iteration:>6}/{total_iters} | loss {loss:.4f} | lr {lr:.3e} | grad norm {norm} | "
                   f"{record['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | {tflops:.1f} TFLOP/s/gpu{mfu}{mem} | "

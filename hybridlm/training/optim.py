@@ -56,12 +56,16 @@ class ClippingAdamW(torch.optim.AdamW):
     def __init__(self, groups, *, model: nn.Module, ps, clip: float, **kwargs):
         super().__init__(groups, **kwargs)
         self._model, self._ps, self._clip = model, ps, clip
-        self._global_grad_norm = None  # DeepSpeed reads this attribute after step()
+        self._global_grad_norm = None  # DeepSpeed reads these two attributes after step()
+        self.overflow = False
 
     @torch.no_grad()
     def step(self, closure=None):
         norm = global_grad_norm(self._model, self._ps)
         self._global_grad_norm = norm
+        self.overflow = not bool(torch.isfinite(norm))
+        if self.overflow:  # a non-finite step is skipped, as ZeRO's optimizers do
+            return None
         if self._clip > 0:
             scale = torch.clamp(self._clip / (norm + 1e-6), max=1.0)
             for p in self._model.parameters():
@@ -87,27 +91,44 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, 
 
 
 class WarmupDecayLR:
-    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine/linear/constant decay to
-    ``min_lr`` at ``decay_iters``. Step ``i`` (0-based) trains with ``lr_at(i)``; DeepSpeed
-    calls ``step()`` after every applied optimizer step and checkpoints ``state_dict()``."""
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then decay to ``min_lr`` at ``decay_iters``:
+    cosine, linear, constant, or WSD (warmup-stable-decay: ``lr`` until the last
+    ``wsd_decay_iters`` steps before ``decay_iters``, then a ``wsd_style`` decay).
 
-    def __init__(self, optimizer, *, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str):
+    Step ``i`` (0-based) trains with ``lr_at(i)``. DeepSpeed calls ``step()`` after every
+    applied optimizer step (not after a skipped one) and checkpoints ``state_dict()``."""
+
+    def __init__(self, optimizer, *, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str,
+                 wsd_decay_iters: int | None = None, wsd_style: str = "linear"):
         self.optimizer = optimizer
         self.lr, self.min_lr, self.warmup, self.decay_iters, self.style = lr, min_lr, warmup, decay_iters, style
+        self.wsd_decay_iters, self.wsd_style = wsd_decay_iters, wsd_style
         self.last_step = 0
         self._apply()
+
+    @classmethod
+    def from_config(cls, optimizer, t) -> "WarmupDecayLR":
+        return cls(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.lr_warmup_iters, decay_iters=t.lr_decay_iters,
+                   style=t.lr_decay_style, wsd_decay_iters=t.lr_wsd_decay_iters, wsd_style=t.lr_wsd_decay_style)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         if self.style == "constant":
             return self.lr
-        span = max(self.decay_iters - self.warmup, 1)
-        progress = min(max(step - self.warmup, 0) / span, 1.0)
-        if self.style == "linear":
-            factor = 1.0 - progress
+        if self.style == "wsd":
+            decay_start = self.decay_iters - self.wsd_decay_iters
+            if step < decay_start:
+                return self.lr
+            progress = min((step - decay_start) / self.wsd_decay_iters, 1.0)
+            shape = self.wsd_style
         else:
-            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+            progress = min(max(step - self.warmup, 0) / max(self.decay_iters - self.warmup, 1), 1.0)
+            shape = self.style
+        if shape == "exponential":
+            return self.lr * (self.min_lr / self.lr) ** progress
+        factor = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+                  "minus_sqrt": 1.0 - math.sqrt(progress)}[shape]
         return self.min_lr + (self.lr - self.min_lr) * factor
 
     def _apply(self) -> None:

@@ -8,6 +8,7 @@ Order of set-up (each step needs the previous one):
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ..config import ConfigError, RunConfig, parse_args, world_size_from_env
+from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
 from ..data.builtin import ByteTokenizer, builtin_tokens
 from ..data.samples import SampleStream, micro_batches
 from ..model.specs import apply_recompute, build_model
@@ -26,6 +27,7 @@ from ..model.weights import init_parameters
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
+from . import checkpoint
 from .distributed import device, init_distributed, on_gpu
 from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
 from .metrics import StepLog, peak_tflops
@@ -43,7 +45,12 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     elif cfg.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the built-in tokenizer's {ByteTokenizer.vocab_size}.")
     cfg.validate(world_size if world_size is not None else world_size_from_env())
+    checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
     return cfg, finalize_ds_config(ds, cfg)
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot usefully go on (e.g. too many skipped steps); the message says why."""
 
 
 @dataclass
@@ -89,12 +96,15 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
-        lr_scheduler=lambda opt: WarmupDecayLR(opt, lr=t.lr, min_lr=t.min_lr, warmup=t.lr_warmup_iters,
-                                               decay_iters=t.lr_decay_iters, style=t.lr_decay_style),
-        mpu=None if is_pipeline else ps)
+        lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
     run = Run(cfg, ps, engine, is_pipeline)
     if t.load:
-        load_checkpoint(run, t.load)
+        client_state = checkpoint.load(engine, t.load, t.ckpt_step)
+        if client_state is None:
+            if dist.get_rank() == 0:
+                print(f"--load {t.load}: no checkpoint there yet; starting from iteration 0", flush=True)
+        else:
+            run.iteration = client_state["iteration"]
     return run
 
 
@@ -126,19 +136,19 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     return loss
 
 
-def save_checkpoint(run: Run, directory: str) -> None:
-    run.engine.save_checkpoint(directory, tag=f"global_step{run.iteration}",
-                               client_state={"iteration": run.iteration,
-                                             "consumed_samples": run.iteration * run.cfg.train.global_batch_size})
+def save_checkpoint(run: Run) -> None:
+    t = run.cfg.train
+    checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
+                    client_state={"consumed_samples": run.iteration * t.global_batch_size})
 
 
-def load_checkpoint(run: Run, directory: str) -> None:
-    path, client_state = run.engine.load_checkpoint(directory)
-    if path is None:
-        if dist.get_rank() == 0:
-            print(f"--load {directory}: no checkpoint there yet; starting from iteration 0", flush=True)
-        return
-    run.iteration = client_state["iteration"]
+def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
+    """The effective settings (a --config file that reproduces the run) and the DeepSpeed JSON used."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.yaml"), "w") as f:
+        f.write(effective_yaml(cfg))
+    with open(os.path.join(directory, "ds_config.json"), "w") as f:
+        json.dump(ds_config, f, indent=2)
 
 
 def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
@@ -153,25 +163,39 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
         print(f"hybridlm: {run.ps} | TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
               f"DP={cfg.parallel.data_parallel_size} SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
               f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps", flush=True)
+    if t.save and rank0:
+        write_run_files(t.save, cfg, ds_config)
     batches = data_iterator(run)
     records = []
     last_logged, started = run.iteration, time.perf_counter()
+    consecutive_bad = 0
     while run.iteration < t.train_iters:
         lr = run.engine.get_lr()[0]
         loss = train_step(run, batches)
+        if run.engine.was_step_applied():
+            consecutive_bad = 0
+        else:
+            consecutive_bad += 1
+            if rank0:
+                print(f"iteration {run.iteration}: step skipped (overflowing or non-finite gradients), "
+                      f"{consecutive_bad} in a row, {run.engine.skipped_steps} in all", flush=True)
+            if t.max_bad_steps and consecutive_bad >= t.max_bad_steps:
+                raise TrainingStopped(f"{consecutive_bad} consecutive steps were skipped for overflowing or non-finite "
+                                      f"gradients (the last at iteration {run.iteration}); stopping as --max-bad-steps "
+                                      f"{t.max_bad_steps} says. Lower --lr or check the data.")
         if run.iteration % t.log_interval == 0 or run.iteration == t.train_iters:
             loss_value = loss.item()  # synchronises the device, so the clock below is honest
             now = time.perf_counter()
             grad_norm = run.engine.get_global_grad_norm()
-            records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr,
+            records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr, skipped_steps=run.engine.skipped_steps,
                                       grad_norm=float(grad_norm) if grad_norm is not None else None,
                                       step_seconds=(now - started) / (run.iteration - last_logged),
                                       total_iters=t.train_iters))
             last_logged, started = run.iteration, time.perf_counter()
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
-            save_checkpoint(run, t.save)
-    if t.save and not (t.save_interval and run.iteration % t.save_interval == 0):
-        save_checkpoint(run, t.save)
+            save_checkpoint(run)
+    if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
+        save_checkpoint(run)
     log.close()
     return records
 
@@ -184,6 +208,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"error: {e}", flush=True, file=sys.stderr)
+        return 3
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""Checkpoints a crash cannot corrupt, and resumes that continue bit for bit.
+
+A checkpoint is DeepSpeed's own tag folder (``global_step<N>``: model, ZeRO partitions,
+optimizer, LR schedule) plus what DeepSpeed does not keep: the iteration and consumed
+samples (client state) and every random stream of every rank (python, numpy, torch, the
+accelerator, the TP tracker), one small file per rank.
+
+It becomes the one ``--load`` picks only when complete: DeepSpeed's own ``latest`` file is
+written by rank 0 without waiting for the other ranks, so we pass ``save_latest=False``,
+wait for every rank, and then write ``latest`` under a temporary name and rename it (an
+atomic replace). A job killed mid-save, or a full disk, leaves ``latest`` pointing at the
+previous complete checkpoint; the half-written folder is overwritten by the next save.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+from ..config import ConfigError
+
+LATEST = "latest"
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+def tag_for(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def latest_tag(directory: str) -> str | None:
+    path = os.path.join(directory, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip() or None
+
+
+def _rng_file(directory: str, tag: str, rank: int) -> str:
+    return os.path.join(directory, tag, f"rng_state_rank{rank}.pt")
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": get_accelerator().get_rng_state(),
+            "tracker": {k: v.clone() for k, v in ds_checkpointing.get_cuda_rng_tracker().get_states().items()}}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])
+    ds_checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj, path: str) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def refuse_overwrite(save_dir: str | None, load_dir: str | None) -> None:
+    """An existing run directory is resumed (``--load`` it) or refused, never overwritten."""
+    if save_dir and latest_tag(save_dir) and os.path.abspath(save_dir) != os.path.abspath(load_dir or ""):
+        raise ConfigError(f"--save {save_dir} already holds checkpoints (latest: {latest_tag(save_dir)}); "
+                          f"resume with --load {save_dir}, or save to a new directory.")
+
+
+def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None) -> None:
+    tag = tag_for(iteration)
+    engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False)
+    _atomic_torch_save(rng_state(), _rng_file(directory, tag, dist.get_rank()))
+    dist.barrier()  # every rank has written every file of this tag
+    if dist.get_rank() == 0:
+        _atomic_write_text(os.path.join(directory, LATEST), tag)
+        if keep_last:
+            prune(directory, keep_last)
+    dist.barrier()
+
+
+def prune(directory: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` checkpoints up to ``latest`` (a folder newer
+    than ``latest`` is a save that never completed; the next save overwrites it)."""
+    current = latest_tag(directory)
+    if current is None:
+        return []
+    limit = int(_TAG.match(current).group(1))
+    steps = sorted(int(m.group(1)) for name in os.listdir(directory) if (m := _TAG.match(name)) and int(m.group(1)) <= limit)
+    doomed = [tag_for(step) for step in steps[:-keep_last]]
+    for name in doomed:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+    return doomed
+
+
+def load(engine, directory: str, step: int | None) -> dict | None:
+    """Load ``latest`` (or ``global_step<step>``); returns the client state, or None if there is none."""
+    tag = tag_for(step) if step is not None else latest_tag(directory)
+    if tag is None:
+        return None
+    if not os.path.isdir(os.path.join(directory, tag)):
+        raise ConfigError(f"--load {directory}: checkpoint {tag} does not exist.")
+    path, client_state = engine.load_checkpoint(directory, tag=tag)
+    if path is None:
+        raise ConfigError(f"--load {directory}: DeepSpeed could not read checkpoint {tag}.")
+    rng_path = _rng_file(directory, tag, dist.get_rank())
+    if os.path.isfile(rng_path):
+        set_rng_state(torch.load(rng_path, weights_only=False))  # our own file: numpy/python RNG tuples
+    elif dist.get_rank() == 0:
+        print(f"--load {directory}: no random state saved for this layout in {tag}; dropout streams restart.", flush=True)
+    return client_state
