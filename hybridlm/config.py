@@ -289,7 +289,8 @@ def load_yaml(path: str) -> dict:
             try:
                 value = typ(value) if typ is not bool else {"true": True, "false": False}[str(value).lower()]
             except (ValueError, KeyError):
-                raise ConfigError(f"--config {path}: '{key}' should be a {typ.__name__}, got {value!r}.") from None
+                kind = {int: "an integer", float: "a number", bool: "true or false"}.get(typ, "a string")
+                raise ConfigError(f"--config {path}: '{key}' should be {kind}, got {value!r}.") from None
         values[name] = value
     return values
 

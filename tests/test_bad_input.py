@@ -92,3 +92,21 @@ def test_shipped_ds_configs_are_valid_json_with_auto_batch_sizes():
             ds = json.load(f)
         assert ds["train_micro_batch_size_per_gpu"] == "auto" and ds["train_batch_size"] == "auto", name
         assert ds["bf16"]["enabled"] == "auto" and ds["fp16"]["enabled"] == "auto", name
+
+
+def test_consecutive_skipped_steps_stop_the_run_with_a_clear_message():
+    # A learning rate of 1e30 makes step 2's gradients non-finite; ZeRO skips each such step.
+    flags = TINY + ds_config("zero1") + ["--lr", "1e30", "--lr-warmup-iters", "0", "--train-iters", "20",
+                                         "--max-bad-steps", "3"]
+    code, stderr, _ = run_ranks(2, _main_on_rank_after_setup, flags)[0]
+    assert code == 3
+    assert "3 consecutive steps were skipped for overflowing or non-finite gradients" in stderr
+
+
+def _main_on_rank_after_setup(argv):
+    from hybridlm.training.trainer import main
+    stderr = io.StringIO()
+    started = time.monotonic()
+    with contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    return code, stderr.getvalue(), time.monotonic() - started

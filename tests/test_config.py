@@ -46,3 +46,23 @@ def test_readme_flag_table_is_generated_from_the_config():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert flags_markdown() in readme, "README's flag table is stale: regenerate with `python -m hybridlm.config --markdown`"
+
+
+def test_yaml_run_file_fills_the_config_and_flags_win(tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("num-layers: 6\nhidden_size: 96\nlr: 3e-4\nsequence-parallel: true\n")
+    cfg = parse_args(["--config", str(run_file), "--num-layers", "2"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.train.lr, cfg.parallel.sequence_parallel) == (2, 96, 3e-4, True)
+    assert "hidden_size" in cfg.explicit
+
+
+@pytest.mark.parametrize("text, sentence", [
+    ("hiden-size: 64\n", "unknown setting 'hiden-size'"),
+    ("num-layers: four\n", "'num-layers' should be an integer, got 'four'"),
+    ("num-layers: [1,\n", "invalid YAML at line"),
+])
+def test_bad_yaml_run_file_is_one_sentence(tmp_path, text, sentence):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(text)
+    with pytest.raises(ConfigError, match=sentence.replace("[", r"\[")):
+        parse_args(["--config", str(run_file)])
