@@ -130,6 +130,12 @@ class TrainConfig:
     peak_tflops: Optional[float] = _f(None, "Peak TFLOP/s per device for MFU (default: the GPU's datasheet bf16 dense peak).")
     nvme_path: Optional[str] = _f(None, "Folder for ZeRO-Infinity swap files (fills 'auto' nvme_path in the JSON).")
     distributed_timeout_minutes: float = _f(10.0, "Collective timeout: a dead rank brings the others down after this long.")
+    wandb_project: Optional[str] = _f(None, "Weights & Biases project: rank 0 logs every logged step there (WANDB_MODE=offline keeps it on disk).")
+    wandb_name: Optional[str] = _f(None, "W&B run name (default: W&B's generated one).")
+    wandb_dir: Optional[str] = _f(None, "Folder for W&B's local files (default: --save, else the working directory).")
+    tensorboard_dir: Optional[str] = _f(None, "Write TensorBoard scalars (rank 0) to this folder.")
+    profile_step_range: Optional[str] = _f(None, "Profile iterations A+1..B with torch.profiler, given as A,B; one Chrome trace per rank.")
+    profile_dir: str = _f("profile", "Folder for the --profile-step-range traces.")
 
 
 @dataclass

@@ -83,3 +83,14 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0) -> list[A
         missing = sorted(set(range(world)) - set(outcomes))
         raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s")
     return [outcomes[r][1] for r in range(world)]
+
+
+def start_ranks(world: int, fn: Callable, *args) -> list:
+    """Start ``fn(*args)`` on ``world`` forked ranks without waiting: for tests that kill them."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    return procs

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from harness import run_ranks
+from harness import run_ranks, start_ranks
 from oracle import TINY, ds_config
 
 # Dropout on, so the resumed run is exact only if every random stream was restored too.
@@ -92,16 +92,13 @@ def test_a_failed_save_leaves_the_previous_latest_checkpoint_intact(tmp_path):
     assert len(resumed) == 2
 
 
-def _kill_child_at(flags: list[str], delay: float) -> None:
-    """Fork a single-rank training job and SIGKILL it after ``delay`` seconds, wherever it is."""
-    import multiprocessing as mp
-    ctx = mp.get_context("fork")
-    child = ctx.Process(target=_losses, args=(flags,))
-    child.start()
+def _kill_after(flags: list[str], delay: float) -> None:
+    """Start a single-rank training job and SIGKILL it after ``delay`` seconds, wherever it is."""
+    [child] = start_ranks(1, _losses, flags)
     child.join(timeout=delay)
     if child.is_alive():
         os.kill(child.pid, signal.SIGKILL)
-        child.join()
+    child.join()
 
 
 @pytest.mark.slow
@@ -114,7 +111,7 @@ def test_sigkill_at_random_points_always_resumes_from_the_last_complete_checkpoi
     for trial in range(10):
         directory = tmp_path / f"trial{trial}"
         flags = base + ["--save", str(directory), "--load", str(directory), "--metrics-file", str(directory / "m.jsonl")]
-        run_ranks(1, _kill_child_at, flags, rng.uniform(2.0, 9.0), timeout=120)
+        _kill_after(flags, rng.uniform(2.0, 9.0))
         logged = len(open(directory / "m.jsonl").readlines()) if (directory / "m.jsonl").exists() else 0
         latest = (directory / "latest").read_text() if (directory / "latest").exists() else None
         resumed_from = int(latest.removeprefix("global_step")) if latest else 0

@@ -9,7 +9,9 @@ A resumed job should continue the *same* W&B run, not start a new one with a gap
 curves: ``WandbTracker.run_id`` is stored in the checkpoint and handed back as
 ``wandb_resume_id`` (``wandb.init(id=..., resume="allow")``).
 
-The backends are imported lazily, so a user who asks for neither needs neither installed.
+The backends are imported lazily, so a user who asks for neither needs neither installed;
+``check_backends`` lets config validation refuse a missing one on every rank, before any
+process group exists.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class WandbTracker(Tracker):
         return self.run.id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        # None means "not measured" (e.g. MFU on a CPU); wandb would chart it as a gap value.
+        # None means "not measured" (MFU on a CPU); wandb would store it as null, giving an
+        # empty chart and a column of nulls in the run table.
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
 
     def close(self) -> None:
@@ -76,6 +79,23 @@ class TensorBoardTracker(Tracker):
         self.writer.close()
 
 
+def check_backends(*, wandb_project: Optional[str], tensorboard_dir: Optional[str]) -> None:
+    """Raise ConfigError if a requested backend is not installed.
+
+    ``build_trackers`` runs on rank 0 after the process group exists, where an error would
+    leave the other ranks waiting in a collective; call this on every rank during config
+    validation so a missing package ends the job in one sentence everywhere.
+    """
+    for flag, value, package in (("--wandb-project", wandb_project, "wandb"),
+                                 ("--tensorboard-dir", tensorboard_dir, "tensorboard")):
+        if value:
+            try:
+                __import__(package)
+            except ImportError:
+                raise ConfigError(f"{flag} {value} needs the {package} package; "
+                                  f"pip install {package}, or omit {flag}.") from None
+
+
 def build_trackers(*, rank: int, wandb_project: Optional[str], wandb_name: Optional[str],
                    wandb_dir: Optional[str], tensorboard_dir: Optional[str], config: dict,
                    wandb_resume_id: Optional[str] = None) -> list[Tracker]:
@@ -85,13 +105,9 @@ def build_trackers(*, rank: int, wandb_project: Optional[str], wandb_name: Optio
     """
     if rank != 0:
         return []
+    check_backends(wandb_project=wandb_project, tensorboard_dir=tensorboard_dir)
     trackers: list[Tracker] = []
     if wandb_project:
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            raise ConfigError(f"--wandb-project {wandb_project} needs the wandb package; "
-                              f"pip install wandb, or omit --wandb-project.") from None
         trackers.append(WandbTracker(wandb_project, wandb_name, wandb_dir, config, wandb_resume_id))
     if tensorboard_dir:
         trackers.append(TensorBoardTracker(tensorboard_dir))

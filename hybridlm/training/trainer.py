@@ -28,6 +28,8 @@ from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
 from . import checkpoint
+from .profiling import StepProfiler
+from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 from .distributed import device, init_distributed, on_gpu
 from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
 from .metrics import StepLog, peak_tflops
@@ -46,6 +48,8 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
         raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the built-in tokenizer's {ByteTokenizer.vocab_size}.")
     cfg.validate(world_size if world_size is not None else world_size_from_env())
     checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
+    StepProfiler.parse(cfg.train.profile_step_range)
+    check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
     return cfg, finalize_ds_config(ds, cfg)
 
 
@@ -60,6 +64,7 @@ class Run:
     engine: object
     is_pipeline: bool
     iteration: int = 0
+    wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
 
     @property
     def tokens_per_step(self) -> int:
@@ -105,6 +110,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
                 print(f"--load {t.load}: no checkpoint there yet; starting from iteration 0", flush=True)
         else:
             run.iteration = client_state["iteration"]
+            run.wandb_run_id = client_state.get("wandb_run_id")
     return run
 
 
@@ -139,7 +145,8 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
 def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
-                    client_state={"consumed_samples": run.iteration * t.global_batch_size})
+                    client_state={"consumed_samples": run.iteration * t.global_batch_size,
+                                  "wandb_run_id": run.wandb_run_id})
 
 
 def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
@@ -165,6 +172,12 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
               f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
+    trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
+                              wandb_dir=t.wandb_dir or t.save, tensorboard_dir=t.tensorboard_dir,
+                              config=cfg.to_dict(), wandb_resume_id=run.wandb_run_id)
+    run.wandb_run_id = wandb_run_id(trackers) or run.wandb_run_id
+    profiler = StepProfiler(t.profile_step_range, t.profile_dir, dist.get_rank())
+    profiler.step(run.iteration)  # a range starting at the first iteration starts here
     batches = data_iterator(run)
     records = []
     last_logged, started = run.iteration, time.perf_counter()
@@ -172,6 +185,7 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     while run.iteration < t.train_iters:
         lr = run.engine.get_lr()[0]
         loss = train_step(run, batches)
+        profiler.step(run.iteration)
         if run.engine.was_step_applied():
             consecutive_bad = 0
         else:
@@ -191,11 +205,14 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
                                       grad_norm=float(grad_norm) if grad_norm is not None else None,
                                       step_seconds=(now - started) / (run.iteration - last_logged),
                                       total_iters=t.train_iters))
+            log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
             last_logged, started = run.iteration, time.perf_counter()
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run)
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
+    profiler.close()
+    close_all(trackers)
     log.close()
     return records
 
