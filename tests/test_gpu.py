@@ -14,7 +14,8 @@ import torch
 
 from oracle import ROOT, TINY
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")]
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 
 
 def _launch(gpus: int, flags: list[str], metrics) -> list[float]:
@@ -30,6 +31,7 @@ def _launch(gpus: int, flags: list[str], metrics) -> list[float]:
     return [r["loss"] for r in records]
 
 
+@two_gpus
 @pytest.mark.parametrize("precision, tol", [(["--bf16"], 2e-2), ([], 1e-4)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                     ["--pipeline-model-parallel-size", "2"]], ids=["tp2_sp", "pp2"])
@@ -42,3 +44,21 @@ def test_two_gpus_track_one_gpu(tmp_path, layout, precision, tol):
     two = _launch(2, flags + layout, tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= tol * abs(a), f"step {step}: 2-GPU loss {b} vs 1-GPU {a}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="fp16 needs a GPU: DeepSpeed's CPU accelerator refuses it ('Type fp16 is not supported')")
+def test_fp16_overflowing_steps_are_skipped_and_reported_and_training_goes_on(tmp_path):
+    # A loss scale of 2^24 overflows fp16 gradients; dynamic scaling halves it (hysteresis 2) until they fit.
+    ds = json.load(open(os.path.join(ROOT, "ds_configs", "zero1.json")))
+    ds["fp16"]["initial_scale_power"] = 24
+    config = tmp_path / "fp16.json"
+    config.write_text(json.dumps(ds))
+    flags = ["--deepspeed_config", str(config), *TINY, "--fp16", "--lr", "1e-3", "--train-iters", "40", "--log-interval", "1",
+             "--max-bad-steps", "40"]
+    _launch(1, flags, tmp_path / "m.jsonl")
+    records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
+    skipped = [r["skipped_steps"] for r in records]
+    assert skipped[0] >= 1, "the first step at scale 2^24 should overflow"
+    assert skipped[-1] == skipped[-10] and skipped[-1] < 40, "scaling never recovered"
+    assert records[-1]["loss"] < records[0]["loss"]

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import deepspeed
 import torch
+from deepspeed.accelerator import get_accelerator
 import torch.distributed as dist
 
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
@@ -47,6 +48,11 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     elif cfg.model.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the built-in tokenizer's {ByteTokenizer.vocab_size}.")
     cfg.validate(world_size if world_size is not None else world_size_from_env())
+    accelerator = get_accelerator()
+    if cfg.train.fp16 and not accelerator.is_fp16_supported():
+        raise ConfigError(f"--fp16 is not supported by DeepSpeed on this device ({accelerator.device_name()}); use --bf16 or fp32.")
+    if cfg.train.bf16 and not accelerator.is_bf16_supported():
+        raise ConfigError(f"--bf16 is not supported by DeepSpeed on this device ({accelerator.device_name()}); use fp32.")
     checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
     StepProfiler.parse(cfg.train.profile_step_range)
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
