@@ -24,8 +24,8 @@ class ConfigError(ValueError):
     """A bad flag, file or combination; the message is one sentence naming it."""
 
 
-def _f(default, help: str, *, choices=None, aliases=(), cli: bool = True):
-    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "cli": cli})
+def _f(default, help: str, *, choices=None, aliases=(), cli: bool = True, nargs=None):
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "cli": cli, "nargs": nargs})
 
 
 @dataclass
@@ -105,6 +105,8 @@ class TrainConfig:
     lr: float = _f(3e-3, "Peak learning rate.")
     min_lr: float = _f(3e-4, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = _f(20, "Linear warm-up steps.")
+    eval_interval: Optional[int] = _f(None, "Evaluate on the validation split every N steps (and at the end).")
+    eval_iters: int = _f(10, "Global batches per evaluation (the same first batches of the validation split each time).")
     lr_decay_iters: Optional[int] = _f(None, "Steps of decay after warm-up (default: train-iters).")
     lr_decay_style: str = _f("cosine", "Decay after warm-up (wsd: constant, then a final decay).", choices=("cosine", "linear", "constant", "wsd"))
     lr_wsd_decay_iters: Optional[int] = _f(None, "WSD: steps of the final decay (default: 10% of --lr-decay-iters).")
@@ -118,7 +120,6 @@ class TrainConfig:
     seed: int = _f(1234, "Seed of initialisation, data order and dropout; the same seed gives the same model at any layout.")
     bf16: bool = _f(False, "bfloat16 training (fp32 master weights in the optimizer).")
     fp16: bool = _f(False, "float16 training with dynamic loss scaling.")
-    data_path: Optional[str] = _f(None, "Training data prefix (default: the built-in corpus).")
     save: Optional[str] = _f(None, "Directory to save checkpoints to.")
     save_interval: Optional[int] = _f(None, "Save every N steps (default: only at the end).")
     keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints, keeping this many (default: keep all).")
@@ -139,10 +140,25 @@ class TrainConfig:
 
 
 @dataclass
+class DataConfig:
+    """Where samples come from: Megatron-format .bin/.idx prefixes and their tokenizer."""
+
+    data_path: Optional[list] = _f(None, "Data prefixes, optionally weighted ('0.3 a 0.7 b'); default: the built-in corpus.", nargs="+")
+    split: str = _f("969,30,1", "Train/validation/test proportions of each prefix's documents.")
+    tokenizer_type: str = _f("ByteTokenizer", "Tokenizer the data was preprocessed with.",
+                             choices=("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer"))
+    tokenizer_model: Optional[str] = _f(None, "HuggingFaceTokenizer: a tokenizer.json file or a local tokenizer directory.")
+    vocab_file: Optional[str] = _f(None, "GPT2BPETokenizer: vocab.json.")
+    merge_file: Optional[str] = _f(None, "GPT2BPETokenizer: merges.txt.")
+    data_cache_path: Optional[str] = _f(None, "Folder for the sample-index caches (default: index-cache/ beside each prefix).")
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig
     parallel: ParallelConfig
     train: TrainConfig
+    data: DataConfig = field(default_factory=DataConfig)
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
 
     @property
@@ -198,6 +214,8 @@ class RunConfig:
             t.lr_wsd_decay_iters = max(1, t.lr_decay_iters // 10)
         if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
             raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got {t.keep_last_n_checkpoints}.")
+        if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):
+            raise ConfigError(f"--eval-interval {t.eval_interval} and --eval-iters {t.eval_iters} must be positive.")
         if t.ckpt_step is not None and not t.load:
             raise ConfigError("--ckpt-step needs --load.")
         if m.vocab_size is not None:
@@ -205,12 +223,12 @@ class RunConfig:
         return self
 
     def to_dict(self) -> dict:
-        return {"model": dataclasses.asdict(self.model), "parallel": dataclasses.asdict(self.parallel), "train": dataclasses.asdict(self.train)}
+        return {name: dataclasses.asdict(getattr(self, name)) for name, _ in _SECTIONS}
 
 
 # ---------------------------------------------------------------- command line
 
-_SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig))
+_SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig))
 
 
 def _cli_fields():
@@ -235,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         kw: dict[str, Any] = dict(dest=f.name, help=f.metadata["help"], default=argparse.SUPPRESS)
         if typ is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif f.metadata["nargs"]:
+            kw["nargs"], kw["type"] = f.metadata["nargs"], str
         else:
             kw["type"] = typ
             if f.metadata["choices"]:
@@ -291,6 +311,8 @@ def load_yaml(path: str) -> dict:
         if name not in types:
             raise ConfigError(f"--config {path}: unknown setting '{key}'.")
         typ = types[name]
+        if typ is list and isinstance(value, str):
+            value = value.split()
         if value is not None and not isinstance(value, typ) and not (typ is float and isinstance(value, int)):
             try:
                 value = typ(value) if typ is not bool else {"true": True, "false": False}[str(value).lower()]
@@ -322,7 +344,7 @@ def config_from_dict(values: dict) -> RunConfig:
             raise ConfigError(f"unknown setting '{k}'.")
         by_section[known[k]][k] = v
     return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
-                     train=TrainConfig(**by_section["train"]), explicit=frozenset(values))
+                     train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]), explicit=frozenset(values))
 
 
 def world_size_from_env() -> int:

@@ -7,11 +7,15 @@ id, so the default run needs no tokenizer file and no training step.
 """
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
+import os
 from importlib import resources
 
 import numpy as np
+
+from .indexed import IndexedDatasetWriter, idx_path
 
 
 class ByteTokenizer:
@@ -32,10 +36,18 @@ def builtin_documents() -> list[str]:
             return [json.loads(line)["text"] for line in lines]
 
 
-def builtin_tokens() -> np.ndarray:
-    """The whole corpus as one token stream, documents separated by EOD."""
-    tokenizer = ByteTokenizer()
-    ids: list[int] = []
-    for doc in builtin_documents():
-        ids += tokenizer.encode(doc) + [tokenizer.eod]
-    return np.asarray(ids, dtype=np.int64)
+def builtin_prefix(cache_dir: str | None = None) -> str:
+    """The built-in corpus as a Megatron-format dataset (byte tokens), written once into a cache
+    folder, so the default run goes through the same dataset code as ``--data-path``.
+    Ranks that start together take a file lock: one writes, the others find it written."""
+    cache_dir = cache_dir or os.environ.get("HYBRIDLM_CACHE", os.path.expanduser("~/.cache/hybridlm"))
+    prefix = os.path.join(cache_dir, "builtin", "python_reference_bytes")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    with open(prefix + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(idx_path(prefix)):
+            tokenizer = ByteTokenizer()
+            with IndexedDatasetWriter(prefix, np.uint16) as writer:
+                for doc in builtin_documents():
+                    writer.add_document(tokenizer.encode(doc) + [tokenizer.eod])
+    return prefix

@@ -12,6 +12,7 @@ Llama-style reference preset (SwiGLU, ffn 5504) comes to 6.06.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -81,6 +82,15 @@ class StepLog:
             print(f"iter {iteration:>6}/{total_iters} | loss {loss:.4f} | lr {lr:.3e} | grad norm {norm} | "
                   f"{record['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | {tflops:.1f} TFLOP/s/gpu{mfu}{mem} | "
                   f"eta {eta / 60:.1f} min", flush=True)
+            if self.file:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+        return record
+
+    def record_eval(self, *, iteration: int, loss: float) -> dict:
+        record = {"iteration": iteration, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 700.0)), "time": time.time()}
+        if self.enabled:
+            print(f"iter {iteration:>6} | validation loss {loss:.4f} | perplexity {record['valid_ppl']:.3f}", flush=True)
             if self.file:
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()

@@ -21,8 +21,10 @@ from deepspeed.accelerator import get_accelerator
 import torch.distributed as dist
 
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
-from ..data.builtin import ByteTokenizer, builtin_tokens
-from ..data.samples import SampleStream, micro_batches
+from ..data.builtin import builtin_prefix
+from ..data.gpt_dataset import build_gpt_datasets
+from ..data.samples import micro_batches
+from ..data.tokenizers import build_tokenizer
 from ..model.specs import apply_recompute, build_model
 from ..model.weights import init_parameters
 from ..parallel.plan import ParallelPlan
@@ -41,12 +43,14 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     """Reconcile flags with the JSON and validate the layout. Raises ConfigError; touches no process group."""
     ds = read_ds_config(cfg.train.deepspeed_config)
     adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
-    if cfg.train.data_path is not None:
-        raise ConfigError(f"--data-path {cfg.train.data_path}: indexed datasets are not supported yet; omit it to train on the built-in corpus.")
+    d = cfg.data
+    if d.data_path is None and d.tokenizer_type != "ByteTokenizer":
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path: the built-in corpus is stored as bytes.")
+    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = ByteTokenizer.vocab_size
-    elif cfg.model.vocab_size < ByteTokenizer.vocab_size:
-        raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the built-in tokenizer's {ByteTokenizer.vocab_size}.")
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"--vocab-size {cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}.")
     cfg.validate(world_size if world_size is not None else world_size_from_env())
     accelerator = get_accelerator()
     if cfg.train.fp16 and not accelerator.is_fp16_supported():
@@ -69,6 +73,8 @@ class Run:
     ps: ParallelState
     engine: object
     is_pipeline: bool
+    train_data: object = None  # anything with .batch(first, count) -> (tokens, labels)
+    valid_data: object = None
     iteration: int = 0
     wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
 
@@ -108,7 +114,8 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
         lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
-    run = Run(cfg, ps, engine, is_pipeline)
+    train_data, valid_data = build_datasets(cfg)
+    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data)
     if t.load:
         client_state = checkpoint.load(engine, t.load, t.ckpt_step)
         if client_state is None:
@@ -120,11 +127,45 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     return run
 
 
-def data_iterator(run: Run) -> Iterator:
-    cfg = run.cfg
-    stream = SampleStream(builtin_tokens(), cfg.model.seq_length, cfg.train.seed)
-    return micro_batches(stream, micro_batch_size=cfg.train.micro_batch_size, global_batch_size=cfg.train.global_batch_size,
-                         dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size, start_iteration=run.iteration, device=device())
+def build_datasets(cfg: RunConfig) -> tuple:
+    """Train and validation samples (collective: one rank builds the index caches, the others wait)."""
+    t, d = cfg.train, cfg.data
+    prefixes = d.data_path or [builtin_prefix()]
+    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    train, valid, _ = build_gpt_datasets(prefixes, d.split, cfg.model.seq_length, t.seed,
+                                         (t.train_iters * t.global_batch_size, valid_samples, 0), d.data_cache_path)
+    if t.eval_interval and valid is None:
+        raise ConfigError(f"--eval-interval needs a validation split, but --split {d.split} gives it nothing.")
+    return train, valid
+
+
+def data_iterator(run: Run, data=None, start_iteration: int | None = None) -> Iterator:
+    """Micro-batches of this DP rank, from the training data at the current iteration by default."""
+    t = run.cfg.train
+    return micro_batches(data if data is not None else run.train_data, micro_batch_size=t.micro_batch_size,
+                         global_batch_size=t.global_batch_size, dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size,
+                         start_iteration=run.iteration if start_iteration is None else start_iteration, device=device())
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> float:
+    """Mean loss over the first ``--eval-iters`` global batches of the validation split (every rank)."""
+    engine, t = run.engine, run.cfg.train
+    batches = data_iterator(run, run.valid_data, start_iteration=0)
+    losses = []
+    for _ in range(t.eval_iters):
+        if run.is_pipeline:
+            losses.append(engine.eval_batch(batches).float())  # averaged over micro-batches and DP by DeepSpeed
+            continue
+        engine.eval()
+        micro = [engine(*next(batches)).float() for _ in range(run.cfg.gradient_accumulation_steps)]
+        engine.train()
+        loss = torch.stack(micro).mean()
+        if run.ps.dp.size > 1:
+            dist.all_reduce(loss, group=run.ps.dp.group)
+            loss /= run.ps.dp.size
+        losses.append(loss)
+    return torch.stack(losses).mean().item()
 
 
 def train_step(run: Run, batches: Iterator) -> torch.Tensor:
@@ -213,6 +254,11 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
                                       total_iters=t.train_iters))
             log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
             last_logged, started = run.iteration, time.perf_counter()
+        if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
+            valid_loss = evaluate(run)
+            records.append(log.record_eval(iteration=run.iteration, loss=valid_loss))
+            log_all(trackers, {"valid_loss": valid_loss, "valid_ppl": records[-1]["valid_ppl"]}, run.iteration)
+            started = time.perf_counter()  # evaluation time is not training time
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run)
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
