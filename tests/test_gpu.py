@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from harness import free_port
 from oracle import ROOT, TINY
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 def _launch(gpus: int, flags: list[str], metrics) -> list[float]:
     bin_dir = os.path.dirname(sys.executable)
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
     result = subprocess.run([*launcher, "--num_gpus", str(gpus), "scripts/pretrain.py", *flags, "--metrics-file", str(metrics)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")})
