@@ -103,7 +103,7 @@ def _kill_after(flags: list[str], delay: float) -> None:
 
 @pytest.mark.slow
 def test_sigkill_at_random_points_always_resumes_from_the_last_complete_checkpoint(tmp_path):
-    steps, interval = 30, 2
+    steps, interval = 30, 1  # a save every step: many kills land inside a save
     base = RESUMABLE + ds_config("zero1") + ["--train-iters", str(steps), "--lr-decay-iters", str(steps),
                                              "--save-interval", str(interval)]
     whole = run_ranks(1, _losses, base)[0]
