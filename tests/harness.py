@@ -45,14 +45,19 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results)
     os._exit(0)
 
 
-def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0) -> list[Any]:
-    """Call ``fn(*args)`` on ``world`` forked ranks; return their results ordered by rank."""
+def _start(world: int, fn: Callable, args: tuple):
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+    return procs, results
+
+
+def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0) -> list[Any]:
+    """Call ``fn(*args)`` on ``world`` forked ranks; return their results ordered by rank."""
+    procs, results = _start(world, fn, args)
     outcomes: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -87,10 +92,4 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0) -> list[A
 
 def start_ranks(world: int, fn: Callable, *args) -> list:
     """Start ``fn(*args)`` on ``world`` forked ranks without waiting: for tests that kill them."""
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    return procs
+    return _start(world, fn, args)[0]
