@@ -17,8 +17,8 @@ from typing import Iterator, Optional
 
 import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
 from ..data.builtin import builtin_prefix
@@ -31,12 +31,12 @@ from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
 from . import checkpoint
-from .profiling import StepProfiler
-from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 from .distributed import device, init_distributed, on_gpu
 from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
 from .metrics import StepLog, peak_tflops
 from .optim import WarmupDecayLR, build_optimizer
+from .profiling import StepProfiler
+from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
 
 def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[RunConfig, dict]:
