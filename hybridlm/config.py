@@ -53,6 +53,15 @@ class ModelConfig:
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
     init_method_std: float = _f(0.02, "Std of the normal initialisation (output projections scaled by 1/sqrt(2*layers)).")
     attention_backend: str = _f("sdpa", "Attention kernel.", choices=("sdpa",))
+    num_experts: Optional[int] = _f(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
+    moe_layer_freq: int = _f(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
+    moe_ffn_hidden_size: Optional[int] = _f(None, "Inner width of each expert (default: --ffn-hidden-size).")
+    moe_router_topk: int = _f(2, "Experts each token is routed to (softmax over the chosen experts' logits, as Mixtral).")
+    moe_aux_loss_coeff: float = _f(1e-2, "Weight of the load-balancing loss (Switch/GShard: E x sum of token fraction x mean probability).")
+    moe_z_loss_coeff: float = _f(0.0, "Weight of the router z-loss (mean squared log-sum-exp of the router logits).")
+    moe_capacity_factor: Optional[float] = _f(None, "Expert capacity as a multiple of an even share of the assignments; each expert keeps first choices before second ones, earlier tokens first, and drops the rest (default: dropless).")
+    moe_shared_expert_intermediate_size: Optional[int] = _f(None, "Width of a shared expert every token also goes through (default: none).")
+    moe_grouped_gemm: bool = _f(True, "Compute the experts as one grouped GEMM (torch.nn.functional.grouped_mm) where torch offers it; else a loop over experts.")
     padded_vocab_size: Optional[int] = _f(None, "Derived: vocabulary padded for TP.", cli=False)
 
     def __post_init__(self):
@@ -73,6 +82,26 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
+        if self.num_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self):
+        if self.num_experts < 1:
+            raise ConfigError(f"--num-experts must be positive, got {self.num_experts}.")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must be between 1 and --num-experts {self.num_experts}.")
+        if self.moe_layer_freq < 1:
+            raise ConfigError(f"--moe-layer-freq must be positive, got {self.moe_layer_freq}.")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(f"--moe-capacity-factor must be positive, got {self.moe_capacity_factor}.")
+        if self.add_bias_linear:
+            raise ConfigError("--num-experts cannot be combined with --add-bias-linear: experts have no biases (as in Mixtral).")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether 0-based layer ``layer_number`` has experts instead of the dense MLP (Megatron's rule)."""
+        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
 
     def pad_vocab(self, tensor_parallel: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel
@@ -183,8 +212,13 @@ class RunConfig:
             raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}.")
         if pp > m.num_layers:
             raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every stage needs a layer.")
+        if ep > 1 and m.num_experts is None:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts: a dense model has no experts to split.")
         if p.data_parallel_size % ep:
-            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {p.data_parallel_size}.")
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {p.data_parallel_size} "
+                              f"(world {world_size} / (TP x PP) = {p.data_parallel_size}); EP is carved out of DP.")
+        if m.num_experts is not None:
+            self._check_moe_layout(tp, ep)
         if p.sequence_parallel and tp == 1:
             p.sequence_parallel = False  # nothing to shard over; Megatron does the same
         if p.sequence_parallel and m.seq_length % tp:
@@ -221,6 +255,23 @@ class RunConfig:
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         return self
+
+    def _check_moe_layout(self, tp: int, ep: int) -> None:
+        m = self.model
+        if m.num_experts % ep:
+            raise ConfigError(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}: every EP rank holds the same number of experts.")
+        if m.moe_ffn_hidden_size % tp:
+            raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}: experts are split over TP.")
+        if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_intermediate_size % tp:
+            raise ConfigError(f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size} is not divisible by --tensor-model-parallel-size {tp}.")
+        if ep > 1 and (self.train.save or self.train.load):
+            raise ConfigError(f"--save/--load cannot be combined with --expert-model-parallel-size {ep} yet: DeepSpeed writes "
+                              "one EP rank's experts into the module checkpoint, so a resume would give the other EP ranks wrong experts.")
+        if self.train.fp16:
+            raise ConfigError("--num-experts cannot be combined with --fp16: the aux-loss gradient does not follow fp16's dynamic loss scale; use --bf16.")
+        if self.parallel.zero_stage == 3:
+            raise ConfigError(f"--num-experts cannot be combined with ZeRO stage 3 (from {self.train.deepspeed_config}): "
+                              "DeepSpeed's expert parameter groups support ZeRO 0, 1 and 2 only.")
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name, _ in _SECTIONS}

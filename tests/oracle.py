@@ -2,8 +2,9 @@
 
 ``train_and_probe`` runs inside each rank: it builds the run from flags exactly as
 ``scripts/pretrain.py`` does, trains a few steps, and records every step's loss and
-gradient norm plus the full (TP-gathered, all stages) gradients of step 1, read at the
-moment DeepSpeed is about to apply them (after DP reduction and tied-weight reduction).
+gradient norm (and, for MoE models, the aux and z losses) plus the full (TP- and
+EP-gathered, all stages) gradients of step 1, read at the moment DeepSpeed is about to
+apply them (after DP / expert-DP reduction and tied-weight reduction).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def train_and_probe(flags: list[str], steps: int = 3) -> dict:
 
     from hybridlm.config import parse_args
     from hybridlm.model.weights import gather_full_state_dict
+    from hybridlm.training.moe_metrics import collect_moe_stats
     from hybridlm.training.trainer import build_run, data_iterator, prepare_config, train_step
 
     logger.setLevel(logging.WARNING)
@@ -44,17 +46,21 @@ def train_and_probe(flags: list[str], steps: int = 3) -> dict:
     def step_with_probe(*args, **kwargs):
         if "grads" not in probe:  # step 1 only; every rank takes part in the gathers
             local = {name: safe_get_full_grad(p) for name, p in module.named_parameters()}
-            probe["grads"] = gather_full_state_dict(local, module, run.ps.tp, run.ps.dp)
+            probe["grads"] = gather_full_state_dict(local, module, run.ps.tp, run.ps.dp, run.ps.ep)
         return original_step(*args, **kwargs)
 
     run.engine._take_model_step = step_with_probe
     batches = data_iterator(run)
-    losses, norms = [], []
+    losses, norms, moe = [], [], []
     for _ in range(steps):
         losses.append(train_step(run, batches).item())
         norm = run.engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
-    return {"losses": losses, "grad_norms": norms, "grads": probe["grads"], "rank": run.ps.global_rank}
+        moe.append(collect_moe_stats(module, cfg, run.ps))
+    result = {"losses": losses, "grad_norms": norms, "grads": probe["grads"], "rank": run.ps.global_rank}
+    if cfg.model.num_experts is not None:
+        result.update(aux_losses=[m["aux_loss"] for m in moe], z_losses=[m["z_loss"] for m in moe], moe=moe)
+    return result
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -65,6 +71,10 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 def assert_matches(reference: dict, parallel: dict, tol: float = 1e-5) -> None:
     for step, (want, got) in enumerate(zip(reference["losses"], parallel["losses"]), start=1):
         assert abs(got - want) <= tol * abs(want), f"step {step} loss {got!r} != single-process {want!r}"
+    for key in ("aux_losses", "z_losses"):
+        assert (key in reference) == (key in parallel), f"only one run reports {key}"
+        for step, (want, got) in enumerate(zip(reference.get(key, []), parallel.get(key, [])), start=1):
+            assert abs(got - want) <= tol * abs(want), f"step {step} {key[:-2]} {got!r} != single-process {want!r}"
     for step, (want, got) in enumerate(zip(reference["grad_norms"], parallel["grad_norms"]), start=1):
         if want is not None and got is not None:
             assert abs(got - want) <= tol * abs(want), f"step {step} grad norm {got!r} != single-process {want!r}"

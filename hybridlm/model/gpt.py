@@ -2,8 +2,9 @@
 
 Llama-style by default (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases); the
 GPT-2 variant (LayerNorm, GeLU, learned positions, biases) is the same code with other
-config values. Activations are [sequence, batch, hidden]: the layout sequence
-parallelism splits along dimension 0.
+config values; Mixtral-style MoE swaps the MLP of every k-th layer for routed experts.
+Activations are [sequence, batch, hidden]: the layout sequence parallelism splits along
+dimension 0.
 
 Every layer is built through a ``ParallelPlan`` (the layer factory from
 ``hybridlm.parallel.plan``): the blocks never ask whether they are tensor- or
@@ -104,12 +105,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, ffn_hidden_size: int | None = None):
         super().__init__()
         self.swiglu = cfg.swiglu
-        blocks = [cfg.ffn_hidden_size] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
+        ffn = ffn_hidden_size or cfg.ffn_hidden_size
+        blocks = [ffn] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
         self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std)
-        self.fc2 = plan.row_linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear,
+        self.fc2 = plan.row_linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear,
                                    init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
 
     def forward(self, x):
@@ -122,16 +124,31 @@ class MLP(nn.Module):
         return self.fc2(h)
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm block. ``recompute`` (set by ``apply_recompute``) recomputes it in backward."""
+class MoEMLP(nn.Module):
+    """Routed experts, plus a shared expert that every token also goes through when configured."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool = False):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, layer_number: int):
+        super().__init__()
+        self.moe = plan.moe(cfg, layer_number)
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared = MLP(cfg, plan, shared) if shared else None
+
+    def forward(self, x):
+        y = self.moe(x)
+        return y if self.shared is None else y + self.shared(x)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block number ``layer_number`` (0-based; it decides MoE or dense MLP).
+    ``recompute`` (set by ``apply_recompute``) recomputes it in backward."""
+
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, layer_number: int = 0, selective_recompute: bool = False):
         super().__init__()
         self.plan = plan
         self.input_norm = make_norm(cfg, plan)
         self.attention = Attention(cfg, plan, selective_recompute=selective_recompute)
         self.post_attention_norm = make_norm(cfg, plan)
-        self.mlp = MLP(cfg, plan)
+        self.mlp = MoEMLP(cfg, plan, layer_number) if cfg.is_moe_layer(layer_number) else MLP(cfg, plan)
         self.dropout = cfg.hidden_dropout
         self.recompute = False
 

@@ -25,7 +25,8 @@ TIED_ATTR = "word_embeddings.weight"
 def layer_specs(cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool = False) -> list:
     tied = not cfg.untie_embeddings_and_output_weights
     embedding = TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, tied_weight_attr=TIED_ATTR) if tied else LayerSpec(Embedding, cfg, plan)
-    layers = [LayerSpec(TransformerLayer, cfg, plan, selective_recompute=selective_recompute) for _ in range(cfg.num_layers)]
+    layers = [LayerSpec(TransformerLayer, cfg, plan, layer_number=i, selective_recompute=selective_recompute)
+              for i in range(cfg.num_layers)]
     head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
             if tied else LayerSpec(OutputLayer, cfg, plan))
     return [embedding, *layers, LayerSpec(FinalNorm, cfg, plan), head]

@@ -1,8 +1,8 @@
 """The layer factory the model is built with: tensor-parallel layers for a TP group.
 
 The blocks in ``hybridlm.model.gpt`` ask this object for "a linear whose output is
-split", "a linear whose input is split", "an embedding", "a norm", and for the points
-where activations enter and leave the sequence-sharded region. They never ask whether
+split", "a linear whose input is split", "an embedding", "a norm", "routed experts",
+and for the points where activations enter and leave the sequence-sharded region. They never ask whether
 they are tensor- or sequence-parallel: with TP=1 the same layers degrade to plain
 matmuls with no communication.
 """
@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .moe import MoELayer
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
@@ -22,9 +23,9 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
 
 
 class ParallelPlan:
-    def __init__(self, tp: GroupHandle = SINGLE, *, sequence_parallel: bool = False,
-                 checkpoint: Callable | None = None, device=None, dtype=None):
-        self.tp = tp
+    def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
+                 sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None):
+        self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
@@ -40,6 +41,11 @@ class ParallelPlan:
 
     def embedding(self, num_embeddings: int, dim: int, *, init_std: float) -> VocabParallelEmbedding:
         return VocabParallelEmbedding(num_embeddings, dim, self.tp, init_std=init_std, device=self.device, dtype=self.dtype)
+
+    def moe(self, cfg, layer_number: int) -> MoELayer:
+        """Routed experts (router, dispatch over EP, experts split over EP and TP) for one layer."""
+        return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp,
+                        sequence_parallel=self.sequence_parallel, device=self.device, dtype=self.dtype)
 
     def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,
                    in_sequence_region: bool = False) -> nn.Parameter:

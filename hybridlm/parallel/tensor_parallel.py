@@ -27,11 +27,13 @@ from .state import GroupHandle
 
 @dataclass(frozen=True)
 class Sharding:
-    """How a full tensor is split over TP: along ``dim``, each of ``blocks`` split evenly."""
+    """How a full tensor is split over a group: along ``dim``, each of ``blocks`` split evenly.
+    Parameters carry one for TP (``tp_sharding``); stacked expert weights also carry one
+    for EP (``ep_sharding``: dim 0, one block of all experts)."""
     dim: int
     blocks: tuple[int, ...]
 
-    def full_shape(self, local_shape: torch.Size, tp_size: int) -> tuple[int, ...]:
+    def full_shape(self, local_shape: Sequence[int], group_size: int) -> tuple[int, ...]:
         shape = list(local_shape)
         shape[self.dim] = sum(self.blocks)
         return tuple(shape)

@@ -7,7 +7,9 @@ scores and their weighted sum. Recomputation is not counted (it is MFU, not hard
 FLOPs utilisation). The plain-PyTorch reference GPT of shared/device/README.md (d2048,
 L16, GeLU 4h MLP, seq 2048, vocab 32768) comes to 6.04 GFLOP per token under this rule,
 which reproduces its published 47.6% MFU at 77.9k tokens/s on a 989 TFLOP/s part; the
-Llama-style reference preset (SwiGLU, ffn 5504) comes to 6.06.
+Llama-style reference preset (SwiGLU, ffn 5504) comes to 6.06. An MoE layer counts the
+parameters a token is multiplied by (active parameters): its top-k experts, the router
+and the shared expert, not the experts it skips.
 """
 from __future__ import annotations
 
@@ -26,10 +28,19 @@ _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A1
 
 
 def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters of the matmuls one token goes through (active ones in MoE layers)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     attention = h * d * (cfg.num_attention_heads + 2 * cfg.num_query_groups) + cfg.num_attention_heads * d * h
-    mlp = h * cfg.ffn_hidden_size * (3 if cfg.swiglu else 2)
-    return cfg.num_layers * (attention + mlp) + h * cfg.padded_vocab_size
+    per_width = h * (3 if cfg.swiglu else 2)
+    total = h * cfg.padded_vocab_size
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe_layer(layer):
+            mlp = per_width * (cfg.moe_router_topk * cfg.moe_ffn_hidden_size + (cfg.moe_shared_expert_intermediate_size or 0))
+            mlp += h * cfg.num_experts
+        else:
+            mlp = per_width * cfg.ffn_hidden_size
+        total += attention + mlp
+    return total
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
@@ -62,7 +73,7 @@ class StepLog:
             self.file = open(metrics_file, "a")
 
     def record(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, step_seconds: float,
-               total_iters: int, skipped_steps: int = 0) -> dict:
+               total_iters: int, skipped_steps: int = 0, moe: dict | None = None) -> dict:
         tokens_per_sec = self.tokens_per_step / step_seconds
         tflops = self.flops_per_step / step_seconds / self.world_size / 1e12
         record = {
@@ -73,6 +84,9 @@ class StepLog:
         }
         if torch.cuda.is_available():
             record["max_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if moe is not None:  # see moe_metrics.collect_moe_stats
+            record.update(moe_aux_loss=moe["aux_loss"], moe_z_loss=moe["z_loss"], moe_dropped_fraction=moe["dropped_fraction"],
+                          moe_layers=moe["layers"])
         if self.enabled:
             mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
             mem = f" | mem {record['max_memory_gib']:.1f} GiB" if "max_memory_gib" in record else ""
@@ -82,6 +96,8 @@ class StepLog:
             print(f"iter {iteration:>6}/{total_iters} | loss {loss:.4f} | lr {lr:.3e} | grad norm {norm} | "
                   f"{record['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | {tflops:.1f} TFLOP/s/gpu{mfu}{mem} | "
                   f"eta {eta / 60:.1f} min", flush=True)
+            if moe is not None:
+                print(_moe_line(moe), flush=True)
             if self.file:
                 self.file.write(json.dumps(record) + "\n")
                 self.file.flush()
@@ -99,3 +115,11 @@ class StepLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
+
+
+def _moe_line(moe: dict) -> str:
+    """aux/z loss and dropped fraction, then per layer: tokens per expert (per step), dropped, aux."""
+    layers = " | ".join(f"L{n} [{' '.join(f'{c:.0f}' for c in stats['tokens_per_expert'])}] drop {100 * stats['dropped_fraction']:.1f}% "
+                        f"aux {stats['aux_loss']:.4f}" for n, stats in moe["layers"].items())
+    return (f"    moe | aux loss {moe['aux_loss']:.4f} | z loss {moe['z_loss']:.4f} | dropped {100 * moe['dropped_fraction']:.2f}% "
+            f"| tokens/expert: {layers}")

@@ -11,35 +11,46 @@ import math
 
 import torch
 import torch.distributed as dist
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
 from ..config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Norm weights and biases (1-D tensors) get no weight decay."""
+    """Norm weights and biases (1-D tensors) get no weight decay. Named, as DeepSpeed's MoE
+    helper needs to split expert parameters into groups of their own."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
 
 
 def global_grad_norm(model: nn.Module, ps) -> torch.Tensor:
     """L2 norm of all gradients of the whole model, identical on every rank.
 
     Each gradient is counted once: a TP-replicated one only on TP rank 0, a tied weight only
-    on the stage that owns it (DeepSpeed marks the copies ``ds_pipe_replicated``); the sum
-    of squares then goes over the TP x PP group (DP replicas hold equal gradients).
+    on the stage that owns it (DeepSpeed marks the copies ``ds_pipe_replicated``), an
+    expert's on the EP rank that holds it (summed over the EP group); the sum of squares
+    then goes over the TP x PP group (DP replicas hold equal gradients).
     """
     device = next(model.parameters()).device
     total = torch.zeros((), device=device, dtype=torch.float32)
+    experts = torch.zeros((), device=device, dtype=torch.float32)
     for p in model.parameters():
         if p.grad is None or getattr(p, "ds_pipe_replicated", False):
+            continue
+        if is_moe_param(p):
+            experts += p.grad.detach().float().pow(2).sum()
             continue
         if ps.tp.rank != 0 and not getattr(p, "tensor_model_parallel", False):
             continue
         total += p.grad.detach().float().pow(2).sum()
+    if ps.ep.size > 1:
+        dist.all_reduce(experts, group=ps.ep.group)
+    total += experts
     if ps.get_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=ps.get_model_parallel_group())
     return total.sqrt()
@@ -77,6 +88,8 @@ class ClippingAdamW(torch.optim.AdamW):
 def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, offloading: bool, on_gpu: bool):
     """Returns (optimizer, whether it clips by itself so DeepSpeed must not)."""
     groups = param_groups(model, cfg.weight_decay)
+    if any(is_moe_param(p) for p in model.parameters()):
+        groups = split_params_into_different_moe_groups_for_optimizer(groups)  # ZeRO shards these over expert-DP
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     impl = cfg.optimizer_impl
     if impl == "auto":

@@ -27,6 +27,7 @@ from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.specs import apply_recompute, build_model
 from ..model.weights import init_parameters
+from ..parallel.moe import set_aux_loss_scale
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
@@ -34,6 +35,7 @@ from . import checkpoint
 from .distributed import device, init_distributed, on_gpu
 from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
 from .metrics import StepLog, peak_tflops
+from .moe_metrics import collect_moe_stats
 from .optim import WarmupDecayLR, build_optimizer
 from .profiling import StepProfiler
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
@@ -93,9 +95,10 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     if p.recompute_granularity:
         deepspeed.checkpointing.configure(ps, partition_activations=p.partition_activations)
 
-    plan = ParallelPlan(ps.tp, sequence_parallel=p.sequence_parallel, device=device())
+    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device())
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
-    init_parameters(model, cfg.train.seed, ps.tp)
+    init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
+    set_aux_loss_scale(model, 1.0 / cfg.gradient_accumulation_steps)  # as DeepSpeed scales the LM loss
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers)
 
@@ -215,7 +218,8 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
                   peak=peak_tflops(t.peak_tflops), metrics_file=t.metrics_file, enabled=rank0)
     if rank0:
         print(f"hybridlm: {run.ps} | TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
-              f"DP={cfg.parallel.data_parallel_size} SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
+              f"DP={cfg.parallel.data_parallel_size} EP={cfg.parallel.expert_model_parallel_size} "
+              f"SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
               f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
@@ -248,10 +252,11 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
             loss_value = loss.item()  # synchronises the device, so the clock below is honest
             now = time.perf_counter()
             grad_norm = run.engine.get_global_grad_norm()
+            moe = collect_moe_stats(run.engine.module, cfg, run.ps)  # collective; None for a dense model
             records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr, skipped_steps=run.engine.skipped_steps,
                                       grad_norm=float(grad_norm) if grad_norm is not None else None,
                                       step_seconds=(now - started) / (run.iteration - last_logged),
-                                      total_iters=t.train_iters))
+                                      total_iters=t.train_iters, moe=moe))
             log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
             last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
