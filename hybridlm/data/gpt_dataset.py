@@ -252,7 +252,6 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
     epoch. Index caches go to ``cache_dir`` (default: ``index-cache/`` beside each prefix). Call on
     every rank: the first build is collective when torch.distributed is initialised.
     """
-    from .blending import BlendedDataset, cached_blending_indices, normalize_weights
     prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
     if len(num_samples) != 3:
@@ -268,15 +267,22 @@ def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, se
         elif len(prefixes) == 1:
             result.append(GPTDataset(indexed[0], ranges[0][s], seq_length, n, seed, caches[0], name))
         else:
-            tokens = [int(np.asarray(d.sequence_lengths[b:e], dtype=np.int64).sum()) for d, (b, e) in zip(indexed, (r[s] for r in ranges))]
-            w = normalize_weights(weights if weights is not None else tokens)
-            if n is None:  # the largest blend in which no dataset repeats
-                n = min(int(max(0, (t - 1) // seq_length) / wi) for t, wi in zip(tokens, w) if wi > 0)
-                if n < 1:
-                    raise ConfigError(f"--data-path: the {name} split of some weighted prefix holds fewer than --seq-length {seq_length} + 1 tokens.")
-            dataset_index, sample_index = cached_blending_indices(w, n, caches[0])
-            counts = np.bincount(dataset_index, minlength=len(prefixes))
-            parts = [GPTDataset(indexed[i], ranges[i][s], seq_length, int(c), seed, caches[i], name) if c else None
-                     for i, c in enumerate(counts)]
-            result.append(BlendedDataset(parts, dataset_index, sample_index))
+            parts = [(d, r[s], c) for d, r, c in zip(indexed, ranges, caches)]
+            result.append(_blend(parts, weights, n, seq_length, seed, name))
     return tuple(result)
+
+
+def _blend(parts, weights: Optional[Sequence[float]], n: Optional[int], seq_length: int, seed: int, split: str):
+    """A BlendedDataset over (indexed, document range, cache dir) parts; weights default to token counts."""
+    from .blending import BlendedDataset, cached_blending_indices, normalize_weights
+    tokens = [int(np.asarray(d.sequence_lengths[b:e], dtype=np.int64).sum()) for d, (b, e), _ in parts]
+    w = normalize_weights(weights if weights is not None else tokens)
+    if n is None:  # the largest blend in which no dataset repeats
+        n = min(int(max(0, (t - 1) // seq_length) / wi) for t, wi in zip(tokens, w) if wi > 0)
+        if n < 1:
+            raise ConfigError(f"--data-path: the {split} split of some prefix holds fewer than --seq-length {seq_length} + 1 tokens.")
+    dataset_index, sample_index = cached_blending_indices(w, n, parts[0][2])
+    counts = np.bincount(dataset_index, minlength=len(parts))
+    datasets = [GPTDataset(d, r, seq_length, int(c), seed, cache, split) if c else None
+                for (d, r, cache), c in zip(parts, counts)]
+    return BlendedDataset(datasets, dataset_index, sample_index)

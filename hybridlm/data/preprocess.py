@@ -91,29 +91,28 @@ def _open_binary(path: str, raw) -> io.RawIOBase:
     return raw
 
 
-def read_chunks(path: str, chunk_bytes: int = 1 << 22, progress=None) -> Iterator[Chunk]:
+def read_chunks(path: str, chunk_bytes: int = 1 << 21, progress=None) -> Iterator[Chunk]:
     """Whole-line chunks of about ``chunk_bytes`` decompressed bytes; the last line may lack its newline."""
     with open(path, "rb") as raw:
         stream = _open_binary(path, raw)
-        line, rest = 1, b""
+        line, partial = 1, []  # partial: pieces of a line not yet ended by a newline
         while True:
             try:
                 block = stream.read(chunk_bytes)
             except (OSError, EOFError, ValueError) as e:  # truncated gzip, corrupt zstd frame
-                at = line + rest.count(b"\n")
-                raise BadInputError(f"{path}:{at}: the compressed stream is corrupt or truncated ({e}).") from None
+                raise BadInputError(f"{path}:{line}: the compressed stream is corrupt or truncated ({e}).") from None
             if progress is not None:
                 progress.disk_position(raw.tell())
             if not block:
-                if rest:
-                    yield Chunk(path, line, rest)
+                if partial:
+                    yield Chunk(path, line, b"".join(partial))
                 return
-            data = rest + block
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:  # one line longer than a chunk: keep reading
-                rest = data
+            cut = block.rfind(b"\n") + 1
+            if cut == 0:  # a line longer than a chunk: keep collecting it
+                partial.append(block)
                 continue
-            data, rest = data[:cut], data[cut:]
+            data = b"".join(partial + [block[:cut]])
+            partial = [block[cut:]] if cut < len(block) else []
             yield Chunk(path, line, data)
             line += data.count(b"\n")
 
@@ -300,7 +299,7 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
 
 def preprocess(inputs: Sequence[str], output_prefix: str, spec: TokenizerSpec = TokenizerSpec(), *,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
-               skip_bad_lines: bool = False, chunk_bytes: int = 1 << 22, progress: bool = True) -> PreprocessStats:
+               skip_bad_lines: bool = False, chunk_bytes: int = 1 << 21, progress: bool = True) -> PreprocessStats:
     """Tokenize ``inputs`` into one .bin/.idx pair per JSON key; returns the counts. Raises
     ``ConfigError`` (``BadInputError``) with ``file:line: reason`` on bad input."""
     if workers < 1:

@@ -61,8 +61,9 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=self.add_special_tokens).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encodes on all cores (the library's Rust thread pool); offsets are not computed."""
-        return [e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=self.add_special_tokens)]
+        """Encodes on all cores (the library's Rust thread pool); offsets are not computed (tokenizers >= 0.20)."""
+        encode = getattr(self.tok, "encode_batch_fast", self.tok.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=self.add_special_tokens)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)

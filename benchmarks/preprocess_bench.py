@@ -1,0 +1,140 @@
+"""Throughput of scripts/preprocess_data.py against the tokenizer's bare batch encoder (the ceiling).
+
+    python benchmarks/preprocess_bench.py --workdir /tmp/preprocess_bench --size-mb 220 [--append-results benchmarks/RESULTS.md]
+
+1. Builds a JSONL corpus of ``--size-mb`` MB from text files already on the machine (Python
+   sources, C headers, docs under /usr and the venv), split into documents of <= 6000 characters.
+2. Trains a 32k byte-level BPE on an eighth of it with scripts/train_tokenizer.py (unless one exists).
+3. Ceiling: all documents in memory, ``Tokenizer.encode_batch`` (and ``encode_batch_fast``) over
+   batches of 1000 documents on all cores; no JSON, no output.
+4. Runs scripts/preprocess_data.py with --workers 1 and 2 as a user would (fresh process, JSON
+   parsing, .bin/.idx written), timing the whole command and its peak RSS.
+
+MB/s always counts JSONL input bytes, so the rows compare; the ratio is ceiling time / run time.
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEXT_SUFFIXES = (".py", ".md", ".txt", ".rst", ".html", ".h", ".c")
+
+
+def make_corpus(path: str, size_mb: float) -> None:
+    target, written = int(size_mb * 1e6), 0
+    with open(path + ".tmp", "w", encoding="utf-8") as out:
+        for root in ("/usr", sys.prefix):
+            for directory, dirs, files in os.walk(root):
+                dirs.sort()
+                for name in sorted(files):
+                    if not name.endswith(TEXT_SUFFIXES):
+                        continue
+                    try:
+                        with open(os.path.join(directory, name), encoding="utf-8") as f:
+                            text = f.read(200_000)
+                    except (UnicodeDecodeError, OSError):
+                        continue
+                    for i in range(0, len(text), 6000):
+                        if text[i:i + 6000].strip():
+                            line = json.dumps({"text": text[i:i + 6000]}) + "\n"
+                            out.write(line)
+                            written += len(line.encode("utf-8"))
+                    if written >= target:
+                        break
+                if written >= target:
+                    break
+    os.replace(path + ".tmp", path)
+
+
+def ceiling(corpus: str, tokenizer_dir: str) -> dict:
+    """Bare encode speed: texts already in memory, one encode call per 1000 documents."""
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
+    with open(corpus, "rb") as f:
+        texts = [json.loads(line)["text"] for line in f]
+    result = {}
+    for method in ("encode_batch", "encode_batch_fast"):
+        encode, tokens, start = getattr(tok, method), 0, time.perf_counter()
+        for i in range(0, len(texts), 1000):
+            tokens += sum(len(e) for e in encode(texts[i:i + 1000]))  # len(): no Python list of ids
+        result[method] = {"seconds": time.perf_counter() - start, "tokens": tokens}
+    return result
+
+
+def run_preprocess(command: list[str]) -> dict:
+    """Wall time and peak RSS of the command (Linux keeps the larger of a child's and its waited-for
+    children's peaks, and a forked child starts with this process's size: keep this process small)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    if status != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{out}")
+    tokens = int(out.split(" documents, ")[1].split(" tokens")[0].replace(",", ""))
+    return {"seconds": seconds, "tokens": tokens, "peak_rss_mb": usage.ru_maxrss / 1024, "summary": out.splitlines()[0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", default="/tmp/preprocess_bench")
+    p.add_argument("--size-mb", type=float, default=220)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--append-results", default=None, help="Append the rows to this markdown table (created with its header).")
+    p.add_argument("--ceiling", nargs=2, metavar=("CORPUS", "TOKENIZER"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.ceiling:  # run in a child, so this process stays small and the children's peak RSS is their own
+        print(json.dumps(ceiling(*args.ceiling)))
+        return
+    os.makedirs(args.workdir, exist_ok=True)
+    corpus, tokenizer = os.path.join(args.workdir, "corpus.jsonl"), os.path.join(args.workdir, "bpe32k")
+    if not os.path.exists(corpus) or os.path.getsize(corpus) < args.size_mb * 1e6:
+        make_corpus(corpus, args.size_mb)
+    mb = os.path.getsize(corpus) / 1e6
+    with open(corpus, "rb") as f:
+        docs = sum(1 for _ in f)
+    if not os.path.exists(os.path.join(tokenizer, "tokenizer.json")):
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts/train_tokenizer.py"), "--input", corpus, "--vocab-size", "32000",
+                        "--max-documents", str(docs // 8), "--output", tokenizer], check=True)
+    print(f"corpus {corpus}: {mb:.1f} MB, {docs:,} documents; load average {os.getloadavg()[0]:.2f}", flush=True)
+
+    with open(os.path.join(tokenizer, "tokenizer.json"), encoding="utf-8") as f:
+        vocab = len(json.load(f)["model"]["vocab"])
+    measured = subprocess.run([sys.executable, __file__, "--ceiling", corpus, tokenizer], capture_output=True, text=True, check=True)
+    rows, base = [], json.loads(measured.stdout)
+    data = f"byte-level BPE, vocab {vocab:,} / {mb:.0f} MB JSONL ({docs / 1e3:.1f}k docs of local source+docs)"
+    bench = f"python benchmarks/preprocess_bench.py --size-mb {args.size_mb:g}"
+    for method, r in base.items():
+        layout = f"bare `{method}`, 2 threads (ceiling)"
+        rows += [(layout, f"{mb / r['seconds']:.2f} MB/s", bench), (layout, f"{r['tokens'] / r['seconds'] / 1e6:.2f} M tokens/s", bench)]
+    for workers in args.workers:
+        command = [sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus, "--output-prefix",
+                   os.path.join(args.workdir, f"out{workers}"), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                   tokenizer, "--append-eod", "--workers", str(workers), "--no-progress"]
+        r = run_preprocess(command)
+        shown = ("python scripts/preprocess_data.py --input corpus.jsonl --output-prefix out --tokenizer-type HuggingFaceTokenizer "
+                 f"--tokenizer-model bpe32k --append-eod --workers {workers}")
+        layout = f"preprocess_data.py --workers {workers}"
+        rows += [(layout, f"{mb / r['seconds']:.2f} MB/s", shown),
+                 (layout, f"{r['tokens'] / r['seconds'] / 1e6:.2f} M tokens/s", shown),
+                 (layout, f"{100 * base['encode_batch']['seconds'] / r['seconds']:.0f}% of bare encode_batch", shown),
+                 (layout, f"{100 * base['encode_batch_fast']['seconds'] / r['seconds']:.0f}% of bare encode_batch_fast", shown),
+                 (layout, f"{r['peak_rss_mb']:.0f} MB peak RSS (largest process)", shown)]
+        print(r["summary"], flush=True)
+    today = datetime.date.today().isoformat()
+    lines = [f"| {today} | CPU (2 cores) | {data} | {layout} | {figure} | `{command}` |" for layout, figure, command in rows]
+    print("\n".join(lines))
+    if args.append_results:
+        new = not os.path.exists(args.append_results)
+        with open(args.append_results, "a", encoding="utf-8") as f:
+            if new:
+                f.write("# Benchmark results\n\n| date | device | model/data | layout | figure | command |\n|---|---|---|---|---|---|\n")
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
