@@ -11,7 +11,8 @@ setup(
         "torch>=2.4",
         "deepspeed>=0.19",  # 0.19.8 tested
         "numpy",
-        "tokenizers>=0.19",
+        "tokenizers>=0.20",
+        "zstandard",  # .jsonl.zst input to preprocess_data
         "pyyaml",
         "safetensors",
     ],
