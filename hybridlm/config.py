@@ -128,9 +128,9 @@ class TrainConfig:
     """The optimisation run: batches, schedule, precision, I/O."""
 
     deepspeed_config: str = _f("ds_configs/zero1.json", "DeepSpeed JSON; its 'auto' values are filled from these flags.", aliases=("--deepspeed-config",))
-    micro_batch_size: int = _f(4, "Samples per rank per micro-step.")
+    micro_batch_size: int = _f(8, "Samples per rank per micro-step.")
     global_batch_size: Optional[int] = _f(None, "Samples per optimizer step over all DP ranks (default: micro x DP).")
-    train_iters: int = _f(200, "Optimizer steps.")
+    train_iters: int = _f(300, "Optimizer steps.")
     lr: float = _f(3e-3, "Peak learning rate.")
     min_lr: float = _f(3e-4, "Learning rate at the end of the decay.")
     lr_warmup_iters: int = _f(20, "Linear warm-up steps.")
