@@ -14,15 +14,20 @@ from harness import run_ranks
 from oracle import ROOT, TINY, ds_config
 
 
-def _main_on_rank(argv: list[str]) -> tuple[int, str, float]:
+def _main_on_rank_after_setup(argv: list[str]) -> tuple[int, str, float]:
     from hybridlm.training.trainer import main
     stderr = io.StringIO()
     started = time.monotonic()
     with contextlib.redirect_stderr(stderr):
         code = main(argv)
+    return code, stderr.getvalue(), time.monotonic() - started
+
+
+def _main_on_rank(argv: list[str]) -> tuple[int, str, float]:
+    result = _main_on_rank_after_setup(argv)
     import torch.distributed as dist
     assert not dist.is_initialized(), "a process group was created before the input was validated"
-    return code, stderr.getvalue(), time.monotonic() - started
+    return result
 
 
 def _bad_json(tmp_path) -> str:
@@ -102,11 +107,3 @@ def test_consecutive_skipped_steps_stop_the_run_with_a_clear_message():
     assert code == 3
     assert "3 consecutive steps were skipped for overflowing or non-finite gradients" in stderr
 
-
-def _main_on_rank_after_setup(argv):
-    from hybridlm.training.trainer import main
-    stderr = io.StringIO()
-    started = time.monotonic()
-    with contextlib.redirect_stderr(stderr):
-        code = main(argv)
-    return code, stderr.getvalue(), time.monotonic() - started

@@ -94,23 +94,24 @@ class StepLog:
             skipped = f" | skipped {skipped_steps}" if skipped_steps else ""
             eta = (total_iters - iteration) * step_seconds
             print(f"iter {iteration:>6}/{total_iters} | loss {loss:.4f} | lr {lr:.3e} | grad norm {norm} | "
-                  f"{record['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | {tflops:.1f} TFLOP/s/gpu{mfu}{mem} | "
+                  f"{record['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | {tflops:.1f} TFLOP/s/gpu{mfu}{mem}{skipped} | "
                   f"eta {eta / 60:.1f} min", flush=True)
             if moe is not None:
                 print(_moe_line(moe), flush=True)
-            if self.file:
-                self.file.write(json.dumps(record) + "\n")
-                self.file.flush()
+            self._write(record)
         return record
 
     def record_eval(self, *, iteration: int, loss: float) -> dict:
         record = {"iteration": iteration, "valid_loss": loss, "valid_ppl": math.exp(min(loss, 700.0)), "time": time.time()}
         if self.enabled:
             print(f"iter {iteration:>6} | validation loss {loss:.4f} | perplexity {record['valid_ppl']:.3f}", flush=True)
-            if self.file:
-                self.file.write(json.dumps(record) + "\n")
-                self.file.flush()
+            self._write(record)
         return record
+
+    def _write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
         if self.file:

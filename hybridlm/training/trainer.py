@@ -279,12 +279,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         pretrain(argv)
-    except ConfigError as e:
+    except (ConfigError, TrainingStopped) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
-        return 2
-    except TrainingStopped as e:
-        print(f"error: {e}", flush=True, file=sys.stderr)
-        return 3
+        return 2 if isinstance(e, ConfigError) else 3
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
