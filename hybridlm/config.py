@@ -28,6 +28,9 @@ def _f(default, help: str, *, choices=None, aliases=(), cli: bool = True, nargs=
     return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases, "cli": cli, "nargs": nargs})
 
 
+FUSED_OPS = ("rmsnorm", "rope", "swiglu")
+
+
 @dataclass
 class ModelConfig:
     """Every hyper-parameter of the network; independent of how it is parallelised."""
@@ -52,7 +55,14 @@ class ModelConfig:
     hidden_dropout: float = _f(0.0, "Dropout on the residual branches.")
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
     init_method_std: float = _f(0.02, "Std of the normal initialisation (output projections scaled by 1/sqrt(2*layers)).")
-    attention_backend: str = _f("sdpa", "Attention kernel.", choices=("sdpa",))
+    attention_backend: str = _f("auto", "Attention kernel: auto picks flash-attn when importable, else cuDNN SDPA on Hopper, else torch SDPA.",
+                                choices=("auto", "flash", "te", "cudnn", "sdpa"))
+    transformer_impl: str = _f("local", "Linear layers from this project, or from Transformer Engine (needed for FP8).", choices=("local", "transformer_engine"))
+    fp8_format: Optional[str] = _f(None, "FP8 matmuls through Transformer Engine: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (default: off).", choices=("hybrid", "e4m3"))
+    fp8_recipe: str = _f("delayed", "FP8 scaling: delayed (amax history) or current (per-tensor, this step's amax).", choices=("delayed", "current"))
+    fp8_amax_history_len: int = _f(1024, "Delayed scaling: steps of amax history.")
+    fused_ops: str = _f("auto", "Fused kernels built through DeepSpeed's op builder: auto (each where it beats torch.compile on this device), all, none, or a comma list of rmsnorm,rope,swiglu.")
+    require_fused_ops: bool = _f(False, "Stop when a requested fused kernel cannot be built, instead of falling back to PyTorch.")
     num_experts: Optional[int] = _f(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
     moe_layer_freq: int = _f(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
     moe_ffn_hidden_size: Optional[int] = _f(None, "Inner width of each expert (default: --ffn-hidden-size).")
@@ -84,6 +94,19 @@ class ModelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
         if self.num_experts is not None:
             self._check_moe()
+        self.fused_op_names()  # refuses an unknown name now, not at model build
+
+    def fused_op_names(self) -> Optional[tuple[str, ...]]:
+        """--fused-ops as names of kernels; None means "auto" (each op's own default for the device)."""
+        if self.fused_ops == "auto":
+            return None
+        if self.fused_ops in ("all", "none"):
+            return FUSED_OPS if self.fused_ops == "all" else ()
+        names = tuple(n.strip() for n in self.fused_ops.split(",") if n.strip())
+        unknown = [n for n in names if n not in FUSED_OPS]
+        if unknown:
+            raise ConfigError(f"--fused-ops {self.fused_ops}: unknown kernel {unknown[0]!r} (have: auto, all, none, {', '.join(FUSED_OPS)}).")
+        return names
 
     def _check_moe(self):
         if self.num_experts < 1:
@@ -233,6 +256,10 @@ class RunConfig:
             raise ConfigError(f"ZeRO stage {p.zero_stage} (from {t.deepspeed_config}) cannot be combined with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only.")
         if t.bf16 and t.fp16:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive.")
+        if m.fp8_format and m.transformer_impl != "transformer_engine":
+            raise ConfigError(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine: FP8 matmuls come from Transformer Engine.")
+        if m.fp8_format and not t.bf16:
+            raise ConfigError(f"--fp8-format {m.fp8_format} needs --bf16: FP8 runs inside a bf16 model.")
         if t.micro_batch_size < 1:
             raise ConfigError(f"--micro-batch-size must be positive, got {t.micro_batch_size}.")
         per_step = t.micro_batch_size * p.data_parallel_size

@@ -21,6 +21,8 @@ BACKENDS: dict[str, Callable] = {"sdpa": sdpa_attention}
 
 
 def get_backend(name: str) -> Callable:
+    if name == "auto":
+        name = "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"--attention-backend {name} is not available here (have: {', '.join(sorted(BACKENDS))}).")
     return BACKENDS[name]
