@@ -4,6 +4,7 @@ Skipped on CPU machines (CI); run there with `pytest -m gpu`.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -63,3 +64,41 @@ def test_fp16_overflowing_steps_are_skipped_and_reported_and_training_goes_on(tm
     assert skipped[0] >= 1, "the first step at scale 2^24 should overflow"
     assert skipped[-1] == skipped[-10] and skipped[-1] < 40, "scaling never recovered"
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+has_te = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+                            reason="needs a CUDA GPU with Transformer Engine installed")
+
+
+@has_te
+def test_transformer_engine_linears_track_the_local_ones_in_bf16(tmp_path):
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
+             "--log-interval", "1"]
+    local = _launch(1, flags, tmp_path / "local.jsonl")
+    te = _launch(1, flags + ["--transformer-impl", "transformer_engine"], tmp_path / "te.jsonl")
+    for step, (a, b) in enumerate(zip(local, te), start=1):
+        assert abs(a - b) <= 2e-2 * abs(a), f"step {step}: TE loss {b} vs local {a}"
+
+
+@has_te
+@two_gpus
+def test_transformer_engine_linears_under_tp2_sp_track_one_gpu(tmp_path):
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
+             "--log-interval", "1", "--transformer-impl", "transformer_engine"]
+    one = _launch(1, flags, tmp_path / "one.jsonl")
+    two = _launch(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path / "two.jsonl")
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert abs(a - b) <= 2e-2 * abs(a), f"step {step}: TP=2 TE loss {b} vs 1 GPU {a}"
+
+
+@has_te
+@pytest.mark.parametrize("fmt, recipe", [("hybrid", "delayed"), ("e4m3", "current")])
+def test_fp8_training_learns_and_stays_near_bf16(tmp_path, fmt, recipe):
+    # FP8 GEMMs need dimensions divisible by 16; TINY's are. 30 steps at a gentle LR: FP8
+    # rounding must not change where the loss goes by more than a few percent.
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "3e-3", "--train-iters", "30",
+             "--log-interval", "1", "--transformer-impl", "transformer_engine"]
+    bf16 = _launch(1, flags, tmp_path / "bf16.jsonl")
+    fp8 = _launch(1, flags + ["--fp8-format", fmt, "--fp8-recipe", recipe], tmp_path / "fp8.jsonl")
+    assert fp8[-1] < 0.8 * fp8[0], f"FP8 loss did not fall: {fp8[0]} -> {fp8[-1]}"
+    assert abs(fp8[-1] - bf16[-1]) <= 0.05 * bf16[-1], f"FP8 final loss {fp8[-1]} vs bf16 {bf16[-1]}"

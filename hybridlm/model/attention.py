@@ -1,31 +1,7 @@
-"""Attention kernels behind one signature, and rotary position embeddings.
-
-A backend takes q [b, heads, s, d] and k, v [b, groups, s, d] (grouped-query attention:
-heads is a multiple of groups) and returns [b, heads, s, d], causal. torch SDPA is always
-available; flash-attn and Transformer Engine register here when installed.
-"""
+"""Rotary position embeddings (the attention kernels live in ``attention_backends``)."""
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
-import torch.nn.functional as F
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-BACKENDS: dict[str, Callable] = {"sdpa": sdpa_attention}
-
-
-def get_backend(name: str) -> Callable:
-    if name == "auto":
-        name = "sdpa"
-    if name not in BACKENDS:
-        raise ValueError(f"--attention-backend {name} is not available here (have: {', '.join(sorted(BACKENDS))}).")
-    return BACKENDS[name]
 
 
 class Rotary:

@@ -21,7 +21,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel.plan import ParallelPlan
 from ..parallel.tensor_parallel import scaled_init_std
-from .attention import Rotary, get_backend
+from .attention import Rotary
+from .attention_backends import make_attention_core, resolve_backend
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +80,10 @@ class Attention(nn.Module):
         self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         self.rotary = Rotary(cfg.kv_channels, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
-        self.core = get_backend(cfg.attention_backend)
+        backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout)
+        self.core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
+                                        groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
+                                        dropout=cfg.attention_dropout)
         self.dropout = cfg.attention_dropout
         self.selective_recompute = selective_recompute
 
@@ -95,12 +99,11 @@ class Attention(nn.Module):
         v = v.reshape(s, b, -1, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary.apply(q), self.rotary.apply(k)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, d]
         if self.selective_recompute and self.training:
             out = self.plan.checkpoint(self._core, q, k, v)
         else:
             out = self._core(q, k, v)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        out = out.reshape(s, b, -1)
         return self.proj(out)
 
 
@@ -163,9 +166,10 @@ class TransformerLayer(nn.Module):
         return x + self._residual_dropout(self.mlp(self.post_attention_norm(x)))
 
     def forward(self, x):
-        if self.recompute and self.training:
-            return self.plan.checkpoint(self._forward, x)
-        return self._forward(x)
+        with self.plan.layer_context():
+            if self.recompute and self.training:
+                return self.plan.checkpoint(self._forward, x)
+            return self._forward(x)
 
 
 class FinalNorm(nn.Module):

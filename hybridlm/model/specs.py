@@ -80,3 +80,14 @@ def apply_recompute(model: nn.Module, num_layers: int | None) -> int:
     for block in chosen:
         block.recompute = True
     return len(chosen)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """torch.compile this rank's transformer layers in place (parameter names unchanged).
+
+    All layers share one graph: dynamo treats module parameters as inputs, so the compile
+    happens once per distinct layer shape, not once per layer."""
+    blocks = [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
+    for block in blocks:
+        block.compile()
+    return len(blocks)

@@ -24,20 +24,26 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
 
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
-                 sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None):
+                 sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
+                 local_matmul: Callable | None = None, layer_context: Callable = contextlib.nullcontext):
+        """``local_matmul``: a factory (weight, bias) -> callable replacing the linears' rank-local
+        GEMM (Transformer Engine's); ``layer_context``: what each transformer layer's forward
+        runs under (FP8 autocast)."""
         self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
+        self.local_matmul, self.layer_context = local_matmul, layer_context
+        self.compiled_loss = None
 
     # ---- layers
     def column_linear(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, init_std: float) -> ColumnParallelLinear:
         return ColumnParallelLinear(input_size, output_sizes, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
-                                    init_std=init_std, device=self.device, dtype=self.dtype)
+                                    init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul)
 
     def row_linear(self, input_size: int, output_size: int, *, bias: bool, init_std: float) -> RowParallelLinear:
         return RowParallelLinear(input_size, output_size, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
-                                 init_std=init_std, device=self.device, dtype=self.dtype)
+                                 init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul)
 
     def embedding(self, num_embeddings: int, dim: int, *, init_std: float) -> VocabParallelEmbedding:
         return VocabParallelEmbedding(num_embeddings, dim, self.tp, init_std=init_std, device=self.device, dtype=self.dtype)
@@ -72,7 +78,15 @@ class ParallelPlan:
         return column_parallel_matmul(x, weight, None, self.tp, self.sequence_parallel)
 
     def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1 and self.compiled_loss is not None:
+            return self.compiled_loss(logits, target)
         return vocab_parallel_cross_entropy(logits, target, self.tp)
+
+    def compile_loss(self) -> None:
+        """With TP=1, compute the loss with a compiled cross-entropy: the fp32 upcast, softmax
+        and its gradient fuse into a pass or two over the logits instead of materialising
+        fp32 copies of a [tokens, vocab] tensor."""
+        self.compiled_loss = torch.compile(_local_cross_entropy)
 
     def split_rng(self):
         """Random context for activations split over TP (heads, sequence slices)."""
@@ -88,3 +102,9 @@ class ParallelPlan:
             from deepspeed import checkpointing
             self._checkpoint = checkpointing.checkpoint
         return self._checkpoint(function, *args)
+
+
+def _local_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy in fp32 of full-vocabulary logits [..., vocab] (TP=1)."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    return torch.nn.functional.cross_entropy(flat, target.reshape(-1), reduction="none").view(target.shape)

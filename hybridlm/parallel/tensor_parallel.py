@@ -102,13 +102,16 @@ def reduce_from_tensor_parallel(x, tp: GroupHandle):
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split over TP; the output stays split.
 
+    ``local_matmul`` (a factory taking the weight and bias) swaps the rank-local matmul for
+    another library's (Transformer Engine's, for FP8) while the communication stays here.
+
     ``output_sizes`` lists stacked blocks (e.g. [q, k, v]); ``local_sizes`` says how wide
     each block is on this rank, so a caller can split the output without knowing TP.
     With sequence parallelism the input arrives sequence-sharded and is all-gathered.
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], tp: GroupHandle, *, bias: bool,
-                 sequence_parallel: bool, init_std: float, device=None, dtype=None):
+                 sequence_parallel: bool, init_std: float, device=None, dtype=None, local_matmul=None):
         super().__init__()
         for size in output_sizes:
             if size % tp.size:
@@ -119,8 +122,12 @@ class ColumnParallelLinear(nn.Module):
         sharding = Sharding(0, self.output_sizes)
         self.weight = tag_parameter(nn.Parameter(torch.empty(sum(self.local_sizes), input_size, device=device, dtype=dtype)), sharding, init_std)
         self.bias = tag_parameter(nn.Parameter(torch.empty(sum(self.local_sizes), device=device, dtype=dtype)), sharding, None, 0.0) if bias else None
+        self.local_matmul = local_matmul(self.weight, self.bias) if local_matmul else None
 
     def forward(self, x):
+        if self.local_matmul is not None:
+            x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tensor_parallel(x, self.tp)
+            return self.local_matmul(x)
         return column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
 
 
@@ -134,7 +141,7 @@ class RowParallelLinear(nn.Module):
     (all-reduce), or summed and sequence-scattered (reduce-scatter) under SP."""
 
     def __init__(self, input_size: int, output_size: int, tp: GroupHandle, *, bias: bool,
-                 sequence_parallel: bool, init_std: float, device=None, dtype=None):
+                 sequence_parallel: bool, init_std: float, device=None, dtype=None, local_matmul=None):
         super().__init__()
         if input_size % tp.size:
             raise ValueError(f"input size {input_size} is not divisible by TP {tp.size}")
@@ -146,9 +153,10 @@ class RowParallelLinear(nn.Module):
             self.bias = tag_parameter(nn.Parameter(torch.empty(output_size, device=device, dtype=dtype)), None, None, 0.0)
             if sequence_parallel:
                 sum_grad_over_tp(self.bias, tp)
+        self.local_matmul = local_matmul(self.weight, None) if local_matmul else None
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = self.local_matmul(x) if self.local_matmul is not None else F.linear(x, self.weight)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, self.tp)
         return y + self.bias if self.bias is not None else y
 

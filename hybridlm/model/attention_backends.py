@@ -1,0 +1,146 @@
+"""Causal attention kernels behind one signature, chosen once per run.
+
+A core takes q [s, b, heads, d] and k, v [s, b, groups, d] (grouped-query attention: heads
+is a multiple of groups; the layout the QKV projection produces, so no backend forces a
+copy on the others) and returns [s, b, heads, d].
+
+  sdpa   torch's scaled_dot_product_attention, whichever kernel torch picks (CPU: math)
+  cudnn  the same call pinned to cuDNN's fused attention (Hopper: ~1.8x torch's default
+         flash kernel on fwd+bwd at B4 H16 S4096 D128)
+  flash  flash-attn: the 2.x ``flash_attn_func`` or flash-attn-4's CuTe kernels
+  te     Transformer Engine's DotProductAttention (takes the [s, b, h, d] layout as is)
+
+``auto`` picks flash-attn when importable, else cuDNN on a Hopper-or-newer GPU, else sdpa.
+Every choice is checked before the process group exists (``resolve_backend``) so a missing
+package is one sentence, not a stack trace from inside the first forward.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("sdpa", "cudnn", "flash", "te")
+
+
+def _to_bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(1, 2, 0, 3)
+
+
+def sdpa_attention(q, k, v, dropout_p: float = 0.0):
+    out = F.scaled_dot_product_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), dropout_p=dropout_p, is_causal=True,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.permute(2, 0, 1, 3)
+
+
+def cudnn_attention(q, k, v, dropout_p: float = 0.0):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    if q.shape[2] != k.shape[2]:  # cuDNN's SDPA entry takes equal head counts
+        repeat = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), dropout_p=dropout_p, is_causal=True)
+    return out.permute(2, 0, 1, 3)
+
+
+def _flash_function() -> tuple[Optional[Callable], str]:
+    """(function, version) of the installed flash-attn: 2.x first, then flash-attn-4 (CuTe)."""
+    try:
+        from flash_attn import flash_attn_func
+        return flash_attn_func, "2"
+    except ImportError:
+        pass
+    try:
+        from flash_attn.cute import flash_attn_func
+        return flash_attn_func, "4"
+    except ImportError:
+        return None, ""
+
+
+def make_flash_attention() -> Callable:
+    fn, version = _flash_function()
+
+    def flash_attention(q, k, v, dropout_p: float = 0.0):
+        # flash-attn wants [b, s, h, d] with a contiguous head dimension
+        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+        if version == "2":
+            out = fn(q, k, v, dropout_p=dropout_p, causal=True)
+        else:
+            if dropout_p:
+                raise ValueError("flash-attn-4 has no attention dropout; use --attention-backend cudnn or --attention-dropout 0.")
+            out = fn(q, k, v, causal=True)
+            out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(0, 1)
+    return flash_attention
+
+
+class TEAttention:
+    """Transformer Engine's fused attention in the [s, b, h, d] ("sbhd") layout.
+
+    Not an nn.Module on purpose: TE's module carries an ``_extra_state`` entry that would
+    make this backend's checkpoints differ in keys from every other backend's. Dropout is
+    on exactly when the caller passes a non-zero ``dropout_p`` (the model passes 0 in eval).
+    """
+
+    def __init__(self, heads: int, groups: int, head_dim: int, dropout: float):
+        import transformer_engine.pytorch as te
+        self.module = te.DotProductAttention(heads, head_dim, num_gqa_groups=groups, attention_dropout=dropout,
+                                             qkv_format="sbhd", attn_mask_type="causal")
+
+    def __call__(self, q, k, v, dropout_p: float = 0.0):
+        if self.module.training != bool(dropout_p):
+            self.module.train(bool(dropout_p))
+        s, b, h, d = q.shape
+        return self.module(q, k, v).view(s, b, h, d)
+
+
+def _available(name: str) -> tuple[bool, str]:
+    cuda = torch.cuda.is_available()
+    if name == "sdpa":
+        return True, ""
+    if not cuda:
+        return False, "it needs a CUDA GPU"
+    if name == "cudnn":
+        if not torch.backends.cudnn.is_available():
+            return False, "torch was built without cuDNN"
+        if torch.cuda.get_device_capability() < (8, 0):
+            return False, "cuDNN fused attention needs an Ampere or newer GPU"
+        return True, ""
+    if name == "flash":
+        return (True, "") if _flash_function()[0] is not None else (False, "flash-attn is not installed (pip install flash-attn, or flash-attn-4 on Hopper)")
+    if name == "te":
+        ok = importlib.util.find_spec("transformer_engine") is not None
+        return (True, "") if ok else (False, "transformer-engine is not installed")
+    raise ValueError(name)
+
+
+def resolve_backend(name: str, attention_dropout: float = 0.0) -> tuple[str, str]:
+    """(backend, why) for ``--attention-backend name``; raises ValueError (one sentence) if unusable."""
+    if name != "auto":
+        ok, why_not = _available(name)
+        if not ok:
+            raise ValueError(f"--attention-backend {name} is not usable here: {why_not}.")
+        if name == "flash" and attention_dropout and _flash_function()[1] == "4":
+            raise ValueError("--attention-backend flash (flash-attn-4) has no attention dropout; use cudnn or --attention-dropout 0.")
+        return name, "requested"
+    flash_ok = _available("flash")[0] and not (attention_dropout and _flash_function()[1] == "4")
+    if flash_ok:
+        return "flash", f"auto: flash-attn {_flash_function()[1]} is installed"
+    if _available("cudnn")[0] and torch.cuda.get_device_capability() >= (9, 0):
+        return "cudnn", "auto: no flash-attn; cuDNN fused attention on a Hopper-class GPU"
+    return "sdpa", "auto: no flash-attn and no Hopper GPU"
+
+
+def make_attention_core(backend: str, *, heads: int, groups: int, head_dim: int, dropout: float) -> Callable:
+    """The core for a resolved backend name; ``heads``/``groups`` are this TP rank's."""
+    if backend == "sdpa":
+        return sdpa_attention
+    if backend == "cudnn":
+        return cudnn_attention
+    if backend == "flash":
+        return make_flash_attention()
+    if backend == "te":
+        return TEAttention(heads, groups, head_dim, dropout)
+    raise ValueError(f"unknown attention backend {backend!r}")

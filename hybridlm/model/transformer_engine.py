@@ -1,0 +1,57 @@
+"""Transformer Engine as the rank-local matmul of the tensor-parallel linears, and FP8.
+
+``--transformer-impl transformer_engine`` keeps this project's TP/SP communication (the
+column/row linears in ``parallel.tensor_parallel``) and swaps only the local GEMM for TE's
+``Linear``, so that inside ``fp8_autocast`` the GEMM runs in FP8 with TE's scaling state.
+The TE module computes with *our* parameters (same names, same sharding tags, same
+initialisation and checkpoints as the local implementation); it is kept off the module
+tree, so its FP8 scaling history is not part of a checkpoint (a resumed FP8 run rebuilds
+the amax history within ``--fp8-amax-history-len`` steps).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+
+
+class TELocalMatmul:
+    """y = x W^T (+ b) through ``transformer_engine.pytorch.Linear`` on the caller's parameters."""
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter]):
+        import transformer_engine.pytorch as te
+        out_features, in_features = weight.shape
+        linear = te.Linear(in_features, out_features, bias=bias is not None, params_dtype=weight.dtype, device=weight.device)
+        # TE reads its weights by attribute name at every call: point them at ours.
+        del linear.weight
+        linear.weight = weight
+        if bias is not None:
+            del linear.bias
+            linear.bias = bias
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def fp8_recipe(cfg: ModelConfig):
+    """TE's recipe object for ``--fp8-format``/``--fp8-recipe``, or None without FP8."""
+    if not cfg.fp8_format:
+        return None
+    from transformer_engine.common import recipe
+    fmt = recipe.Format.HYBRID if cfg.fp8_format == "hybrid" else recipe.Format.E4M3
+    if cfg.fp8_recipe == "current":
+        return recipe.Float8CurrentScaling(fp8_format=fmt)
+    return recipe.DelayedScaling(fp8_format=fmt, amax_history_len=cfg.fp8_amax_history_len, amax_compute_algo="max")
+
+
+def fp8_context(recipe_object):
+    """The context the transformer layers run their forward in: FP8 autocast, or nothing."""
+    if recipe_object is None:
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+    return te.fp8_autocast(enabled=True, fp8_recipe=recipe_object)

@@ -1,0 +1,117 @@
+"""Every attention backend computes the same causal attention as an fp32 reference.
+
+The reference is written out (scores, causal mask, softmax, weighted sum) in fp64, so it
+shares no code with any backend. CPU runs check torch SDPA and the refusals; on a GPU each
+installed backend (sdpa, cudnn, flash, te) is checked in bf16, forward and gradients.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridlm.config import ConfigError, parse_args
+from hybridlm.model.attention_backends import BACKENDS, make_attention_core, resolve_backend
+from hybridlm.training.trainer import prepare_config
+
+cuda = torch.cuda.is_available()
+
+
+def reference_attention(q, k, v):
+    """q [s, b, h, d], k/v [s, b, g, d] -> [s, b, h, d], causal, in fp64."""
+    s, _, h, d = q.shape
+    repeat = h // k.shape[2]
+    q, k, v = (t.double().permute(1, 2, 0, 3) for t in (q, k, v))
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    return (probs @ v).permute(2, 0, 1, 3)
+
+
+def relative_error(a, b):
+    """Norm-wise relative error; a reference that is exactly zero (dq of a single token) compares absolutely."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-6)).item()
+
+
+def check_against_reference(core, *, s, b, heads, groups, d, dtype, device, tol):
+    seed = torch.seed()  # fresh inputs every run; the seed is in the failure message
+    q = torch.randn(s, b, heads, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(s, b, groups, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(s, b, groups, d, dtype=dtype, device=device, requires_grad=True)
+    grad_out = torch.randn(s, b, heads, d, dtype=dtype, device=device)
+    out = core(q, k, v, 0.0)
+    out.backward(grad_out)
+    got = [out.detach(), q.grad, k.grad, v.grad]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference_attention(*leaves)
+    want.backward(grad_out.double())
+    for name, a, w in zip(("output", "dq", "dk", "dv"), got, [want.detach()] + [t.grad for t in leaves]):
+        assert a.shape == w.shape, f"{name}: shape {tuple(a.shape)} vs {tuple(w.shape)}"
+        err = relative_error(a, w)
+        assert err < tol, f"{name}: relative error {err:.2e} >= {tol} (seed {seed}, shape s{s} b{b} h{heads} g{groups} d{d})"
+
+
+@pytest.mark.parametrize("s, b, heads, groups, d", [(16, 2, 4, 4, 8), (37, 3, 6, 2, 16), (1, 1, 2, 1, 4)],
+                         ids=["mha", "gqa_odd_length", "one_token"])
+def test_sdpa_matches_the_fp32_reference(s, b, heads, groups, d):
+    core = make_attention_core("sdpa", heads=heads, groups=groups, head_dim=d, dropout=0.0)
+    check_against_reference(core, s=s, b=b, heads=heads, groups=groups, d=d, dtype=torch.float32, device="cpu", tol=1e-5)
+
+
+@pytest.mark.skipif(cuda, reason="checks what a machine without a GPU does")
+def test_auto_picks_sdpa_without_a_gpu():
+    assert resolve_backend("auto")[0] == "sdpa"
+
+
+@pytest.mark.skipif(cuda, reason="checks what a machine without a GPU does")
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "te"])
+def test_a_gpu_backend_on_a_cpu_machine_is_one_sentence_before_any_process_group(backend):
+    with pytest.raises(ConfigError, match=f"--attention-backend {backend} is not usable here"):
+        prepare_config(parse_args(["--attention-backend", backend]), world_size=1)
+
+
+@pytest.mark.skipif(cuda, reason="checks what a machine without a GPU does")
+def test_transformer_engine_without_a_gpu_is_refused_up_front():
+    with pytest.raises(ConfigError, match="--transformer-impl transformer_engine needs"):
+        prepare_config(parse_args(["--transformer-impl", "transformer_engine"]), world_size=1)
+
+
+def test_fp8_needs_transformer_engine_and_bf16():
+    with pytest.raises(ConfigError, match="--fp8-format hybrid needs --transformer-impl transformer_engine"):
+        prepare_config(parse_args(["--fp8-format", "hybrid", "--bf16"]), world_size=1)
+    with pytest.raises(ConfigError, match="needs --bf16"):
+        prepare_config(parse_args(["--fp8-format", "e4m3", "--transformer-impl", "transformer_engine"]), world_size=1)
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _usable(backend: str) -> bool:
+    try:
+        resolve_backend(backend)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("s, b, heads, groups, d", [(256, 2, 8, 8, 64), (333, 1, 8, 2, 128)], ids=["mha", "gqa_odd_length"])
+def test_gpu_backend_matches_the_reference_in_bf16(backend, s, b, heads, groups, d):
+    if not _usable(backend):
+        pytest.skip(f"{backend} is not installed on this machine")
+    core = make_attention_core(backend, heads=heads, groups=groups, head_dim=d, dropout=0.0)
+    check_against_reference(core, s=s, b=b, heads=heads, groups=groups, d=d, dtype=torch.bfloat16, device="cuda", tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+def test_auto_on_a_gpu_prefers_flash_then_cudnn():
+    backend, why = resolve_backend("auto")
+    if _usable("flash"):
+        assert backend == "flash", why
+    elif torch.cuda.get_device_capability() >= (9, 0):
+        assert backend == "cudnn", why
