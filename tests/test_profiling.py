@@ -75,3 +75,45 @@ def test_bad_range_is_a_one_sentence_config_error(bad):
 
 def test_good_range_parses_to_a_pair():
     assert StepProfiler.parse("10,12") == (10, 12) and StepProfiler.parse(" 0, 5") == (0, 5)
+
+
+def test_summary_splits_step_time_into_kernel_kinds_exposed_communication_and_idle_time():
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from hybridlm.training.profiling import summarize
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
+    # one 100 us step: gemm 0-40, nccl 30-60 (10 overlapped, 20 exposed), adam 70-80, idle 60-70 and 80-100
+    events = [event("ProfilerStep#5", 0, 100, DeviceType.CPU), event("sm90_xmma_gemm_bf16", 0, 40),
+              event("ncclDevKernel_AllReduce_Sum", 30, 60), event("multi_tensor_apply_kernel<AdamFunctor>", 70, 80)]
+    summary = summarize(events)
+    ms = 1e-3
+    assert summary["step ms"] == pytest.approx(100 * ms)
+    assert summary["matmul ms"] == pytest.approx(40 * ms)
+    assert summary["communication ms"] == pytest.approx(30 * ms)
+    assert summary["exposed communication ms"] == pytest.approx(20 * ms)
+    assert summary["optimizer ms"] == pytest.approx(10 * ms)
+    assert summary["idle GPU ms"] == pytest.approx(30 * ms)
+    assert summarize([event("ProfilerStep#1", 0, 10, DeviceType.CPU)]) == {}  # a CPU run has no kernels
+
+
+def test_summary_reads_kernels_and_steps_from_an_exported_chrome_trace(tmp_path):
+    import json
+
+    from hybridlm.training.profiling import summarize_trace
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 1000, "dur": 200},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#3", "ts": 1000, "dur": 200},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_128x256_h_bz_coopA", "ts": 1000, "dur": 150},
+        {"ph": "X", "cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90", "ts": 1150, "dur": 20},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1000, "dur": 5}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    summary = summarize_trace(str(path))
+    assert summary["steps"] == 1
+    assert summary["matmul ms"] == pytest.approx(0.150)
+    assert summary["attention ms"] == pytest.approx(0.020)
+    assert summary["idle GPU ms"] == pytest.approx(0.030)

@@ -10,7 +10,10 @@ Perfetto or chrome://tracing): pipeline stages and TP ranks do different work.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -74,6 +77,12 @@ class StepProfiler:
         self._profile.stop()
         os.makedirs(self.output_dir, exist_ok=True)
         self._profile.export_chrome_trace(self.trace_path)
+        summary = summarize_trace(self.trace_path)
+        if summary:
+            with open(self.trace_path.replace(".json", "_summary.txt"), "w") as f:
+                f.write(format_summary(summary) + "\n")
+            if self.rank == 0:
+                print(f"profile of steps {self.range[0] + 1}-{self.range[1]} (rank 0):\n{format_summary(summary)}", flush=True)
         self._profile = None
         return self.trace_path
 
@@ -87,3 +96,99 @@ class StepProfiler:
                                 schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
         self._profile.step_num = iteration + 1
         self._profile.start()
+
+
+# ---------------------------------------------------------------- where the time went
+
+_CATEGORIES = (  # first match wins; names of CUDA kernels as the profiler records them
+    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv", re.I)),
+    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|wgmma|matmul", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb", re.I)),
+)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def summarize_trace(path: str) -> dict:
+    """``summarize`` over an exported chrome trace: kernels are the events of category
+    "kernel" (the stable part of the format across torch versions), steps the
+    ``ProfilerStep#`` annotations; times in microseconds."""
+    with open(path) as f:
+        trace = json.load(f)
+    events = []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        step_marker = e.get("name", "").startswith("ProfilerStep#") and e.get("cat") != "gpu_user_annotation"
+        if e.get("cat") == "kernel" or step_marker:
+            device = "CUDA" if e.get("cat") == "kernel" else "CPU"
+            events.append(SimpleNamespace(name=e["name"], device_type=SimpleNamespace(name=device),
+                                          time_range=SimpleNamespace(start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))))
+    return summarize(events)
+
+
+def summarize(events) -> dict:
+    """Per-step GPU time by kind of kernel, exposed communication and idle GPU time (ms).
+
+    Communication is "exposed" where no compute kernel runs at the same time; the GPU is
+    "idle" inside the profiled steps when no kernel runs at all (host overhead, waits on
+    the CPU, pipeline bubbles). Empty on a CPU-only run (no device kernels)."""
+    steps = [e for e in events if e.name.startswith("ProfilerStep#") and e.device_type.name == "CPU"]
+    kernels = [e for e in events if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA"]
+    if not steps or not kernels:
+        return {}
+    window = (min(e.time_range.start for e in steps), max(e.time_range.end for e in steps))
+    by_kind: dict[str, list] = {}
+    for e in kernels:
+        start, end = max(e.time_range.start, window[0]), min(e.time_range.end, window[1])
+        if end <= start:
+            continue
+        kind = next((name for name, pattern in _CATEGORIES if pattern.search(e.name)), "other kernels")
+        by_kind.setdefault(kind, []).append((start, end))
+    n = len(steps)
+    busy = _union([iv for ivs in by_kind.values() for iv in ivs])
+    compute = _union([iv for kind, ivs in by_kind.items() if kind != "communication" for iv in ivs])
+    comm = _union(by_kind.get("communication", []))
+    summary = {"steps": n, "step ms": (window[1] - window[0]) / 1e3 / n}
+    for kind in ("matmul", "attention", "other kernels", "optimizer", "communication"):
+        summary[f"{kind} ms"] = _length(_union(by_kind.get(kind, []))) / 1e3 / n
+    summary["exposed communication ms"] = (_length(comm) - _overlap(comm, compute)) / 1e3 / n
+    summary["idle GPU ms"] = (window[1] - window[0] - _length(busy)) / 1e3 / n
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    step = summary["step ms"]
+    lines = [f"  {'per step':28s} {step:9.2f} ms"]
+    for key, value in summary.items():
+        if key.endswith(" ms") and key != "step ms":
+            lines.append(f"  {key[:-3]:28s} {value:9.2f} ms  {100 * value / step:5.1f}%")
+    lines.append("  (kinds overlap: communication can run beside compute; idle = no kernel at all)")
+    return "\n".join(lines)

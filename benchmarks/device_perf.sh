@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 9/6 measurements on one host with 4 GPUs, four independent single-GPU lanes at once
+# (one GPU each, so they do not share a device), then the 4-GPU runs. From the repo root,
+# with .device staged (`../shared/device/stage.sh ds te`):  bash benchmarks/device_perf.sh [lanes|multi|all]
+# Rows for benchmarks/RESULTS.md land in $OUT/rows.md; logs in $OUT/logs.tar.gz.
+set -uo pipefail
+source .device/install.sh || exit 1
+export PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'gpus', torch.cuda.device_count())"
+
+REF=(--model reference --steps 20 --warmup 6)
+GBS32=(--bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json)
+bench() {  # name gpus(include list) port timeout args...
+  local name=$1 gpus=$2 port=$3 limit=$4; shift 4
+  timeout "$limit" deepspeed --include "localhost:$gpus" --master_port "$port" scripts/benchmark.py \
+      --results-file "$OUT/rows_$name.md" "$@" > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  echo "[$name] rc=$rc $(grep -h -E '^(BENCH|BASELINE)' "$OUT/logs/$name.log" | tr '\n' ' ')"
+  [ $rc -ne 0 ] && grep -h -E 'Error|error:' "$OUT/logs/$name.log" | tail -4
+  grep -h -A9 '^profile of steps' "$OUT/logs/$name.log"
+}
+
+lane0() {
+  python3 benchmarks/attention.py --batch 4 --heads 16 --seq 4096 --head-dim 128 --results-file "$OUT/rows_attn.md" > "$OUT/logs/attn.log" 2>&1
+  echo "[attention] rc=$?"; cat "$OUT/logs/attn.log" | tail -6
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py > "$OUT/logs/test_attention.log" 2>&1
+  echo "[test_attention] rc=$? $(tail -1 "$OUT/logs/test_attention.log")"
+  bench ref_eager 0 29510 240 "${REF[@]}" --label "1 GPU, ZeRO-1, bf16, gbs 32, auto attention" -- "${GBS32[@]}" \
+      --profile-step-range 22,24 --profile-dir "$OUT/prof/eager"
+}
+lane1() {
+  bench ref_compile_baselines 1 29511 560 "${REF[@]}" --baselines torch,torch-compile,hf-zero2 \
+      --label "1 GPU, ZeRO-1, bf16, gbs 32, --torch-compile" -- "${GBS32[@]}" --torch-compile \
+      --profile-step-range 22,24 --profile-dir "$OUT/prof/compile"
+}
+lane2() {
+  bench ref_te_bf16 2 29512 240 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE linears bf16" -- "${GBS32[@]}" --transformer-impl transformer_engine
+  bench ref_te_fp8 2 29512 240 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 hybrid delayed" -- "${GBS32[@]}" \
+      --transformer-impl transformer_engine --fp8-format hybrid
+}
+lane3() {
+  CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "transformer_engine_linears_track or fp8" \
+      > "$OUT/logs/test_gpu_te.log" 2>&1
+  echo "[test_gpu TE/FP8] rc=$? $(tail -1 "$OUT/logs/test_gpu_te.log")"
+  grep -h -E '^E  ' "$OUT/logs/test_gpu_te.log" | head -5
+  bench ref_compile_gbs4 3 29513 240 "${REF[@]}" --label "1 GPU, ZeRO-1, bf16, gbs 4 (no accumulation), --torch-compile" -- \
+      --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile
+}
+multi() {
+  bench ref_dp4 0,1,2,3 29520 240 "${REF[@]}" --label "DP=4 ZeRO-1, bf16, gbs 128, --torch-compile" -- \
+      --bf16 --global-batch-size 128 --deepspeed_config ds_configs/zero1.json --torch-compile \
+      --profile-step-range 22,24 --profile-dir "$OUT/prof/dp4"
+}
+
+if [ "$what" = lanes ] || [ "$what" = all ]; then
+  ( lane0 > "$OUT/lane0.txt" 2>&1 ) & ( lane1 > "$OUT/lane1.txt" 2>&1 ) &
+  ( lane2 > "$OUT/lane2.txt" 2>&1 ) & ( lane3 > "$OUT/lane3.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/lane*.txt
+fi
+if [ "$what" = multi ] || [ "$what" = all ]; then
+  multi
+fi
+cat "$OUT"/rows_*.md > "$OUT/rows.md" 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs prof && rm -rf "$OUT/logs" "$OUT/prof" "$OUT"/rows_*.md
+echo "--- rows"; cat "$OUT/rows.md"
