@@ -9,7 +9,11 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hybridlm-installed
 
-.PHONY: venv train test test-fast clean
+# Optional system packages for tests that skip without them: a local Slurm (tests/test_slurm.py)
+# and Open MPI (tests/test_mpi.py). Installed where we may (root with apt), else a note.
+TEST_SYSTEM_PACKAGES ?= slurm-wlm munge openmpi-bin libopenmpi-dev
+
+.PHONY: venv train test test-fast clean test-system-packages
 
 venv: $(STAMP)
 
@@ -27,10 +31,19 @@ $(STAMP): setup.py
 train: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} PATH=$(abspath $(VENV))/bin:$$PATH deepspeed scripts/pretrain.py --deepspeed_config ds_configs/zero1.json
 
-test: venv
+test-system-packages:
+	@missing=$$(for p in $(TEST_SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) || \
+				echo "note: could not install" $$missing "; their tests skip"; \
+		else echo "note: not installed:" $$missing "(their tests skip)"; fi; \
+	fi
+
+test: venv test-system-packages
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest
 
-test-fast: venv
+test-fast: venv test-system-packages
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not slow"
 
 clean:

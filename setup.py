@@ -6,7 +6,9 @@ setup(
     description="Megatron-style tensor/sequence/pipeline-parallel GPT training inside DeepSpeed, with ZeRO and offload.",
     python_requires=">=3.10",
     packages=find_packages(include=["hybridlm", "hybridlm.*"]),
-    package_data={"hybridlm.data": ["builtin/*.jsonl.gz"]},
+    package_data={"hybridlm.data": ["builtin/*.jsonl.gz"],
+                  # the fused kernels' sources: JIT-built on first use from the installed package
+                  "hybridlm.ops": ["csrc/*.h", "csrc/cpu/*.cpp", "csrc/cuda/*.h", "csrc/cuda/*.cuh", "csrc/cuda/*.cpp", "csrc/cuda/*.cu"]},
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19",  # 0.19.8 tested

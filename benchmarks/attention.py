@@ -32,7 +32,17 @@ def time_fwd_bwd(core, q, k, v, grad, iters: int, warmup: int) -> float:
     return start.elapsed_time(stop) / 1e3 / iters
 
 
+def _load_transformer_engine_first() -> None:
+    """Transformer Engine loads its own cuDNN libraries; once torch has initialised cuDNN
+    (the sdpa/cudnn rows run first) that load fails, so import it before anything runs."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        pass
+
+
 def main() -> int:
+    _load_transformer_engine_first()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)

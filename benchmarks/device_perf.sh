@@ -54,6 +54,23 @@ multi() {
       --bf16 --global-batch-size 128 --deepspeed_config ds_configs/zero1.json --torch-compile \
       --profile-step-range 22,24 --profile-dir "$OUT/prof/dp4"
 }
+# A 7B-class model (Llama 2 7B: hidden 4096, 32 layers, seq 4096, micro-batch 1), 4 GPUs.
+B7=(--model llama2-7b --steps 8 --warmup 4)
+seven_b() {
+  python3 benchmarks/attention.py --batch 4 --heads 16 --seq 4096 --head-dim 128 --results-file "$OUT/rows_attn.md" > "$OUT/logs/attn.log" 2>&1
+  echo "[attention] rc=$?"; tail -6 "$OUT/logs/attn.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py > "$OUT/logs/test_attention.log" 2>&1
+  echo "[test_attention] rc=$? $(tail -1 "$OUT/logs/test_attention.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_attention.log" | head -8
+  bench 7b_tp2_dp2 0,1,2,3 29530 200 "${B7[@]}" --label "TP=2 SP x DP=2, ZeRO-1, bf16, gbs 16, --torch-compile" -- \
+      --bf16 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 16 --deepspeed_config ds_configs/zero1.json \
+      --torch-compile --profile-step-range 10,11 --profile-dir "$OUT/prof/7b_tp2"
+  bench 7b_pp2_dp2 0,1,2,3 29531 200 "${B7[@]}" --label "PP=2 x DP=2, ZeRO-1, bf16, gbs 16, --torch-compile" -- \
+      --bf16 --pipeline-model-parallel-size 2 --global-batch-size 16 --deepspeed_config ds_configs/zero1.json \
+      --torch-compile --profile-step-range 10,11 --profile-dir "$OUT/prof/7b_pp2"
+  bench 7b_zero3_dp4 0,1,2,3 29532 200 "${B7[@]}" --label "ZeRO-3 DP=4, bf16, gbs 16" -- \
+      --bf16 --global-batch-size 16 --deepspeed_config ds_configs/zero3.json \
+      --profile-step-range 10,11 --profile-dir "$OUT/prof/7b_zero3"
+}
 
 if [ "$what" = lanes ] || [ "$what" = all ]; then
   ( lane0 > "$OUT/lane0.txt" 2>&1 ) & ( lane1 > "$OUT/lane1.txt" 2>&1 ) &
@@ -64,6 +81,33 @@ fi
 if [ "$what" = multi ] || [ "$what" = all ]; then
   multi
 fi
+# Second round: TP without the RNG fork's graph breaks, ZeRO-3 with more work per gather,
+# ZeRO-3 + CPU offload of a 7B model on one GPU.
+seven_b_more() {
+  bench 7b_tp2_dp2 0,1,2,3 29540 300 "${B7[@]}" --label "TP=2 SP x DP=2, ZeRO-1, bf16, gbs 16, --torch-compile" -- \
+      --bf16 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 16 --deepspeed_config ds_configs/zero1.json \
+      --torch-compile --fused-ops none --profile-step-range 10,11 --profile-dir "$OUT/prof/7b_tp2"
+  bench 7b_zero3_dp4_mb2 0,1,2,3 29541 200 "${B7[@]}" --label "ZeRO-3 DP=4, bf16, mb 2, gbs 32" -- \
+      --bf16 --micro-batch-size 2 --global-batch-size 32 --deepspeed_config ds_configs/zero3.json \
+      --profile-step-range 10,11 --profile-dir "$OUT/prof/7b_zero3_mb2"
+}
+offload_7b() {  # one GPU
+  bench 7b_offload 0 29542 300 --model llama2-7b --steps 3 --warmup 1 --label "1 GPU, ZeRO-3 + CPU offload (params and optimizer), bf16, gbs 1" -- \
+      --bf16 --global-batch-size 1 --deepspeed_config ds_configs/zero3_offload_cpu.json
+}
+if [ "$what" = 7b ]; then
+  seven_b
+fi
+if [ "$what" = round3 ]; then
+  seven_b_more
+  ( offload_7b > "$OUT/lane_offload.txt" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=1 bash benchmarks/device_ops.sh > "$OUT/lane_ops.txt" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/device_plan.sh > "$OUT/lane_plan.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/lane_*.txt
+fi
+# keep the profile summaries, drop the (large) traces
+find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
 cat "$OUT"/rows_*.md > "$OUT/rows.md" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs prof && rm -rf "$OUT/logs" "$OUT/prof" "$OUT"/rows_*.md
 echo "--- rows"; cat "$OUT/rows.md"

@@ -19,6 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
 
+from .presets import MODELS
+
 
 class ConfigError(ValueError):
     """A bad flag, file or combination; the message is one sentence naming it."""
@@ -35,6 +37,7 @@ FUSED_OPS = ("rmsnorm", "rope", "swiglu")
 class ModelConfig:
     """Every hyper-parameter of the network; independent of how it is parallelised."""
 
+    model: Optional[str] = _f(None, f"Named shape from hybridlm/presets.py ({', '.join(MODELS)}); its flags come first, so flags given here (or in --config) win.")
     num_layers: int = _f(4, "Number of transformer layers.")
     hidden_size: int = _f(128, "Width of the residual stream.")
     ffn_hidden_size: Optional[int] = _f(None, "MLP inner width (default: 4*hidden, or 8/3*hidden rounded up to 64 with SwiGLU).")
@@ -51,6 +54,7 @@ class ModelConfig:
     rotary_base: float = _f(10000.0, "RoPE base frequency.")
     swiglu: bool = _f(True, "SwiGLU MLP (Llama); --no-swiglu gives a GeLU MLP (GPT-2).")
     add_bias_linear: bool = _f(False, "Biases in the linear layers (GPT-2 style).", aliases=("--disable-bias-linear",))
+    add_qkv_bias: bool = _f(False, "Biases in the query/key/value projection only (Qwen2 style).")
     untie_embeddings_and_output_weights: bool = _f(False, "Separate input embedding and output projection.")
     hidden_dropout: float = _f(0.0, "Dropout on the residual branches.")
     attention_dropout: float = _f(0.0, "Dropout on the attention probabilities.")
@@ -63,6 +67,7 @@ class ModelConfig:
     fp8_amax_history_len: int = _f(1024, "Delayed scaling: steps of amax history.")
     fused_ops: str = _f("auto", "Fused kernels built through DeepSpeed's op builder: auto (each where it beats torch.compile on this device), all, none, or a comma list of rmsnorm,rope,swiglu.")
     require_fused_ops: bool = _f(False, "Stop when a requested fused kernel cannot be built, instead of falling back to PyTorch.")
+    torch_compile: bool = _f(False, "torch.compile each transformer layer, and the cross-entropy with TP=1 (fuses norms, RoPE, SwiGLU and residuals; the first steps pay the compile).")
     num_experts: Optional[int] = _f(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
     moe_layer_freq: int = _f(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
     moe_ffn_hidden_size: Optional[int] = _f(None, "Inner width of each expert (default: --ffn-hidden-size).")
@@ -177,6 +182,9 @@ class TrainConfig:
     keep_last_n_checkpoints: Optional[int] = _f(None, "Delete older checkpoints, keeping this many (default: keep all).")
     load: Optional[str] = _f(None, "Directory to resume from (its latest complete checkpoint).")
     ckpt_step: Optional[int] = _f(None, "With --load: resume from global_step<N> instead of the latest.")
+    finetune: bool = _f(False, "With --load: take only the model weights; fresh optimizer, LR schedule and iteration count (Megatron's --finetune).")
+    exit_signal_handler: bool = _f(False, "On --exit-signal finish the step, save a checkpoint on every rank and exit with code 75 (the sbatch templates requeue the job on it).")
+    exit_signal: str = _f("SIGUSR1", "The signal --exit-signal-handler acts on (Slurm: #SBATCH --signal=USR1@120).", choices=("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT"))
     max_bad_steps: int = _f(5, "Stop after this many consecutive skipped (overflowing or non-finite) steps; 0 never stops.")
     log_interval: int = _f(10, "Log every N steps.")
     metrics_file: Optional[str] = _f(None, "JSON-lines file: one record per logged step.")
@@ -258,6 +266,8 @@ class RunConfig:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive.")
         if m.fp8_format and m.transformer_impl != "transformer_engine":
             raise ConfigError(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine: FP8 matmuls come from Transformer Engine.")
+        if m.torch_compile and m.transformer_impl == "transformer_engine":
+            raise ConfigError("--torch-compile cannot be combined with --transformer-impl transformer_engine: TE's modules run eagerly.")
         if m.fp8_format and not t.bf16:
             raise ConfigError(f"--fp8-format {m.fp8_format} needs --bf16: FP8 runs inside a bf16 model.")
         if t.micro_batch_size < 1:
@@ -279,6 +289,10 @@ class RunConfig:
             raise ConfigError(f"--eval-interval {t.eval_interval} and --eval-iters {t.eval_iters} must be positive.")
         if t.ckpt_step is not None and not t.load:
             raise ConfigError("--ckpt-step needs --load.")
+        if t.finetune and not t.load:
+            raise ConfigError("--finetune needs --load: it says what to take from the loaded checkpoint.")
+        if t.exit_signal_handler and not t.save:
+            raise ConfigError("--exit-signal-handler needs --save: the checkpoint it writes on the signal has to go somewhere.")
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         return self
@@ -291,9 +305,6 @@ class RunConfig:
             raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}: experts are split over TP.")
         if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_intermediate_size % tp:
             raise ConfigError(f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size} is not divisible by --tensor-model-parallel-size {tp}.")
-        if ep > 1 and (self.train.save or self.train.load):
-            raise ConfigError(f"--save/--load cannot be combined with --expert-model-parallel-size {ep} yet: DeepSpeed writes "
-                              "one EP rank's experts into the module checkpoint, so a resume would give the other EP ranks wrong experts.")
         if self.train.fp16:
             raise ConfigError("--num-experts cannot be combined with --fp16: the aux-loss gradient does not follow fp16's dynamic loss scale; use --bf16.")
         if self.parallel.zero_stage == 3:
@@ -362,7 +373,19 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
     path = ns.pop("config", None)
     values = load_yaml(path) if path else {}
     values.update(ns)
+    if values.get("model") is not None:  # the preset under the run file under the flags
+        values = {**_preset_values(values["model"]), **values}
     return config_from_dict(values)
+
+
+def _preset_values(name: str) -> dict:
+    """A preset's flags parsed as the user's would be."""
+    if name not in MODELS:
+        raise ConfigError(f"--model {name}: unknown preset; the presets are {', '.join(MODELS)}.")
+    values = vars(build_parser().parse_args(MODELS[name]))
+    for launcher_only in ("config", "local_rank", "deepspeed"):
+        values.pop(launcher_only, None)
+    return values
 
 
 def _cli_types() -> dict[str, type]:

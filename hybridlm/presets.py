@@ -1,5 +1,23 @@
-"""Named model shapes, as flag lists (so a preset is exactly what a user could type)."""
+"""Named model shapes (``--model NAME``) and the parallel layout each is meant to run with.
+
+A shape is a flag list, so a preset is exactly what a user could type: ``--model llama2-7b``
+puts these flags in front of the user's own, and the user's win. A layout says where a
+shape runs (nodes x GPUs per node, GPU memory) and how it is split there (TP, PP, EP,
+ZeRO, recompute, batch sizes); the sbatch templates launch with it
+(``python -m hybridlm.presets --layout-flags NAME``) and the memory planner
+(``scripts/plan.py``) checks it fits. This module imports nothing from the package, so the
+config module can read it.
+"""
 from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+_LLAMA = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--untie-embeddings-and-output-weights",
+          "--micro-batch-size", "1"]
 
 MODELS: dict[str, list[str]] = {
     # The built-in default run (what `deepspeed scripts/pretrain.py` trains with no flags).
@@ -8,12 +26,23 @@ MODELS: dict[str, list[str]] = {
     "reference": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "5504",
                   "--seq-length", "2048", "--micro-batch-size", "4", "--vocab-size", "32768",
                   "--untie-embeddings-and-output-weights"],
+    # Llama 2 (Touvron et al. 2023; the Hugging Face configs): 32k vocabulary, RoPE base 1e4, 4k context.
+    "llama2-7b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size", "11008",
+                  "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
+    "llama2-13b": ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40", "--ffn-hidden-size", "13824",
+                   "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
+    # 70B uses grouped-query attention with 8 key/value heads.
+    "llama2-70b": ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--num-query-groups", "8",
+                   "--ffn-hidden-size", "28672", "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
+    # Llama 3 8B: 128k vocabulary, GQA with 8 groups, RoPE base 5e5, 8k context.
+    "llama3-8b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups", "8",
+                  "--ffn-hidden-size", "14336", "--seq-length", "8192", "--vocab-size", "128256", "--rotary-base", "500000",
+                  *_LLAMA],
     # Mixtral-style MoE (8 experts, top-2, SwiGLU experts, GQA) small enough for CPU tests.
     "mixtral-tiny": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
                      "--ffn-hidden-size", "128", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.02",
                      "--seq-length", "64"],
-    # Mixtral-8x7B's shape (46.7B parameters, 12.9B active per token); with --bf16 on a Slurm
-    # allocation, e.g. EP=8 x TP=2 x PP=4 on 64 GPUs.
+    # Mixtral-8x7B's shape (46.7B parameters, 12.9B active per token).
     "mixtral-8x7b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups", "8",
                      "--ffn-hidden-size", "14336", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.02",
                      "--seq-length", "4096", "--vocab-size", "32000", "--rotary-base", "1000000",
@@ -21,7 +50,116 @@ MODELS: dict[str, list[str]] = {
 }
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a preset runs and how it is split. DP is what the world leaves over:
+    nodes x gpus_per_node / (TP x PP); EP is carved out of DP."""
+
+    nodes: int
+    gpus_per_node: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    zero: int = 1
+    sequence_parallel: bool = False
+    recompute: Optional[str] = None  # "full", "selective" or None
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+    bf16: bool = True
+    gpu_memory_gib: float = 80.0  # the GPU the layout was planned for (an H100 80GB node of 8)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    def flags(self) -> list[str]:
+        """The pretrain flags of this layout (no model shape, no paths)."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+               "--deepspeed_config", f"ds_configs/zero{self.zero}.json", "--micro-batch-size", str(self.micro_batch_size)]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep)]
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        if self.recompute:
+            out += ["--recompute-granularity", self.recompute]
+        if self.global_batch_size:
+            out += ["--global-batch-size", str(self.global_batch_size)]
+        if self.bf16:
+            out.append("--bf16")
+        return out
+
+
+# Global batches follow the papers' token counts where they fit: Llama 2 trained with 4M tokens
+# per step (1024 x 4096), Llama 3 with larger ones; the templates can lower --train-iters.
+LAYOUTS: dict[str, Layout] = {
+    # tiny-cpu.sbatch: 2 CPU ranks of one node, data parallel, fp32 (DeepSpeed's CPU accelerator).
+    "tiny": Layout(nodes=1, gpus_per_node=2, zero=1, micro_batch_size=8, bf16=False, gpu_memory_gib=1.0),
+    "reference": Layout(nodes=1, gpus_per_node=8, zero=1, micro_batch_size=4, global_batch_size=256),
+    "llama2-7b": Layout(nodes=2, gpus_per_node=8, tp=1, pp=1, zero=2, recompute="selective", micro_batch_size=1,
+                        global_batch_size=1024),
+    "llama2-13b": Layout(nodes=4, gpus_per_node=8, tp=2, pp=1, zero=2, sequence_parallel=True, recompute="selective",
+                         micro_batch_size=1, global_batch_size=1024),
+    "llama2-70b": Layout(nodes=8, gpus_per_node=8, tp=8, pp=4, zero=1, sequence_parallel=True, recompute="selective",
+                         micro_batch_size=1, global_batch_size=1024),
+    "llama3-8b": Layout(nodes=2, gpus_per_node=8, tp=2, pp=1, zero=2, sequence_parallel=True, recompute="selective",
+                        micro_batch_size=1, global_batch_size=512),
+    # EP stays 1: --save/--load with EP > 1 is refused for now, and the template must checkpoint.
+    "mixtral-8x7b": Layout(nodes=8, gpus_per_node=8, tp=8, pp=4, ep=1, zero=1, sequence_parallel=True,
+                           recompute="full", micro_batch_size=1, global_batch_size=1024),
+}
+
+
+def preset_names() -> list[str]:
+    return list(MODELS)
+
+
 def model_flags(name: str) -> list[str]:
+    """The flags of preset ``name``. Raises LookupError with one sentence listing the presets."""
     if name not in MODELS:
-        raise KeyError(f"--model {name}: unknown preset (have: {', '.join(sorted(MODELS))})")
+        raise LookupError(f"--model {name}: unknown preset; the presets are {', '.join(MODELS)}.")
     return list(MODELS[name])
+
+
+def layout(name: str) -> Layout:
+    model_flags(name)  # the same sentence for an unknown name
+    if name not in LAYOUTS:
+        raise LookupError(f"--model {name} has no suggested layout; the presets with one are {', '.join(LAYOUTS)}.")
+    return LAYOUTS[name]
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hybridlm.presets",
+                                     description="Print a preset's flags or its suggested layout (the sbatch templates call this).")
+    parser.add_argument("name", nargs="?", help="a preset name; without one, list the presets and their layouts")
+    parser.add_argument("--layout-flags", action="store_true", help="print the layout's pretrain flags, shell-quoted")
+    parser.add_argument("--resources", action="store_true", help="print 'NODES GPUS_PER_NODE' of the layout")
+    args = parser.parse_args(argv)
+    if args.name is None:
+        for name in MODELS:
+            lay = LAYOUTS.get(name)
+            where = (f"{lay.nodes} x {lay.gpus_per_node} ({lay.gpu_memory_gib:g} GiB): TP={lay.tp} PP={lay.pp} DP={lay.dp} "
+                     f"EP={lay.ep} ZeRO-{lay.zero}{' SP' if lay.sequence_parallel else ''}"
+                     f"{' recompute ' + lay.recompute if lay.recompute else ''}") if lay else "no suggested layout"
+            print(f"{name:14s} {where}")
+        return 0
+    try:
+        chosen = layout(args.name) if (args.layout_flags or args.resources) else None
+        shape = model_flags(args.name)
+    except LookupError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    if args.resources:
+        print(chosen.nodes, chosen.gpus_per_node)
+    elif args.layout_flags:
+        print(shlex.join(chosen.flags()))
+    else:
+        print(shlex.join(shape))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

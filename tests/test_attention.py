@@ -6,6 +6,7 @@ installed backend (sdpa, cudnn, flash, te) is checked in bf16, forward and gradi
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -16,6 +17,10 @@ from hybridlm.model.attention_backends import BACKENDS, make_attention_core, res
 from hybridlm.training.trainer import prepare_config
 
 cuda = torch.cuda.is_available()
+if cuda and importlib.util.find_spec("transformer_engine") is not None:
+    # TE loads its own cuDNN libraries, which fails once torch has initialised cuDNN (the
+    # cudnn cases run first); loading TE first lets both work in one process.
+    import transformer_engine.pytorch  # noqa: F401
 
 
 def reference_attention(q, k, v):

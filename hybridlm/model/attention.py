@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import reference as reference_ops
+
 
 class Rotary:
     """RoPE in the Llama / Hugging Face layout (rotate the two halves of each head).
     cos/sin are computed in fp32 and cached per (length, device); not a module buffer,
-    so a bf16 cast of the model never rounds the frequencies."""
+    so a bf16 cast of the model never rounds the frequencies. ``kernel`` applies them
+    (hybridlm.ops: a fused kernel, or the PyTorch definition)."""
 
-    def __init__(self, head_dim: int, base: float):
-        self.head_dim, self.base = head_dim, base
+    def __init__(self, head_dim: int, base: float, kernel=reference_ops.rotary):
+        self.head_dim, self.base, self.kernel = head_dim, base, kernel
         self._cache: dict = {}
 
     def cos_sin(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,12 +22,10 @@ class Rotary:
             inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
             angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
             emb = torch.cat([angles, angles], dim=-1)
-            self._cache = {key: (emb.cos()[:, None, None, :], emb.sin()[:, None, None, :])}  # [s, 1, 1, d]
+            self._cache = {key: (emb.cos(), emb.sin())}  # [s, d]
         return self._cache[key]
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [s, b, heads, d]."""
         cos, sin = self.cos_sin(x.shape[0], x.device)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return (x * cos.to(x.dtype)) + (rotated * sin.to(x.dtype))
+        return self.kernel(x, cos, sin)

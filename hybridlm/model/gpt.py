@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..ops import reference as reference_ops
 from ..parallel.plan import ParallelPlan
 from ..parallel.tensor_parallel import scaled_init_std
 from .attention import Rotary
@@ -26,24 +27,23 @@ from .attention_backends import make_attention_core, resolve_backend
 
 
 class RMSNorm(nn.Module):
-    """Normalise in fp32, scale in the input dtype (the Llama / Hugging Face definition)."""
+    """Normalise in fp32, scale in the input dtype (the Llama / Hugging Face definition);
+    ``kernel`` computes it (hybridlm.ops: a fused kernel, or the PyTorch definition)."""
 
-    def __init__(self, dim: int, eps: float, device=None, dtype=None):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, kernel=reference_ops.rms_norm):
         super().__init__()
-        self.eps = eps
+        self.eps, self.kernel = eps, kernel
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return self.kernel(x, self.weight, self.eps)
 
 
 def make_norm(cfg: ModelConfig, plan: ParallelPlan) -> nn.Module:
     if cfg.normalization == "LayerNorm":
         module = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
     else:
-        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
+        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=plan.device, dtype=plan.dtype, kernel=plan.kernels.rms_norm)
     return plan.norm(module)
 
 
@@ -76,10 +76,12 @@ class Attention(nn.Module):
         super().__init__()
         self.plan, self.head_dim = plan, cfg.kv_channels
         q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
-        self.qkv = plan.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear, init_std=cfg.init_method_std)
+        self.qkv = plan.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+                                      init_std=cfg.init_method_std)
         self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
-        self.rotary = Rotary(cfg.kv_channels, cfg.rotary_base) if cfg.position_embedding_type == "rope" else None
+        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
+                       if cfg.position_embedding_type == "rope" else None)
         backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout)
         self.core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
                                         groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
@@ -88,8 +90,12 @@ class Attention(nn.Module):
         self.selective_recompute = selective_recompute
 
     def _core(self, q, k, v):
+        if not (self.dropout and self.training):
+            # no random numbers drawn: skip the RNG-tracker fork (a state swap that also
+            # splits a compiled layer into two graphs)
+            return self.core(q, k, v, 0.0)
         with self.plan.split_rng():
-            return self.core(q, k, v, self.dropout if self.training else 0.0)
+            return self.core(q, k, v, self.dropout)
 
     def forward(self, x):
         q, k, v = self.qkv(x).split(self.qkv.local_sizes, dim=-1)
@@ -110,7 +116,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: ParallelPlan, ffn_hidden_size: int | None = None):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu = plan.kernels.swiglu if cfg.swiglu else None  # [gate | up] -> silu(gate) * up
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
         blocks = [ffn] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
         self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std)
@@ -119,9 +125,8 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.split(self.fc1.local_sizes, dim=-1)
-            h = F.silu(gate) * up
+        if self.swiglu is not None:
+            h = self.swiglu(h)
         else:
             h = F.gelu(h, approximate="tanh")
         return self.fc2(h)

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..ops import Kernels, reference_kernels
 from .moe import MoELayer
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
@@ -25,15 +26,18 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
                  sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
-                 local_matmul: Callable | None = None, layer_context: Callable = contextlib.nullcontext):
+                 local_matmul: Callable | None = None, layer_context: Callable = contextlib.nullcontext,
+                 kernels: Kernels | None = None):
         """``local_matmul``: a factory (weight, bias) -> callable replacing the linears' rank-local
         GEMM (Transformer Engine's); ``layer_context``: what each transformer layer's forward
-        runs under (FP8 autocast)."""
+        runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
+        (``hybridlm.ops.select_kernels``; default: the PyTorch definitions)."""
         self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
         self.local_matmul, self.layer_context = local_matmul, layer_context
+        self.kernels = kernels or reference_kernels()
         self.compiled_loss = None
 
     # ---- layers

@@ -25,6 +25,9 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from ..config import ConfigError
+from ..interop.experts import load_expert_weights, save_expert_weights
+from ..interop.layout import Layout, write_info
+from ..interop.reshape import check_loadable, load_resharded, needs_reshape
 
 LATEST = "latest"
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -82,10 +85,28 @@ def refuse_overwrite(save_dir: str | None, load_dir: str | None) -> None:
                           f"resume with --load {save_dir}, or save to a new directory.")
 
 
-def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None) -> None:
+def check_load(load_dir: str | None, step: int | None, cfg) -> None:
+    """Before any process group: the checkpoint ``--load`` would pick exists and holds this model."""
+    if not load_dir:
+        return
+    tag = tag_for(step) if step is not None else latest_tag(load_dir)
+    if tag is None:
+        return
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        raise ConfigError(f"--load {load_dir}: checkpoint {tag} does not exist.")
+    check_loadable(os.path.join(load_dir, tag), cfg)
+
+
+def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None, cfg=None, ps=None) -> None:
+    """With ``cfg`` and ``ps`` the tag also gets its layout and settings (read by reshape and the
+    converters) and every EP rank's experts (DeepSpeed's files hold EP rank 0's only)."""
     tag = tag_for(iteration)
     engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False)
     _atomic_torch_save(rng_state(), _rng_file(directory, tag, dist.get_rank()))
+    if cfg is not None:
+        save_expert_weights(engine.module, os.path.join(directory, tag), Layout.of_run(cfg), ps)
+        if dist.get_rank() == 0:
+            write_info(os.path.join(directory, tag), cfg, iteration, expert_files=cfg.model.num_experts is not None)
     dist.barrier()  # every rank has written every file of this tag
     if dist.get_rank() == 0:
         _atomic_write_text(os.path.join(directory, LATEST), tag)
@@ -108,16 +129,22 @@ def prune(directory: str, keep_last: int) -> list[str]:
     return doomed
 
 
-def load(engine, directory: str, step: int | None) -> dict | None:
-    """Load ``latest`` (or ``global_step<step>``); returns the client state, or None if there is none."""
+def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | None:
+    """Load ``latest`` (or ``global_step<step>``); returns the client state, or None if there is none.
+    With ``cfg`` and ``ps``, a checkpoint of another layout, a weights-only one, or ``--finetune``
+    goes through ``hybridlm.interop.reshape``."""
     tag = tag_for(step) if step is not None else latest_tag(directory)
     if tag is None:
         return None
     if not os.path.isdir(os.path.join(directory, tag)):
         raise ConfigError(f"--load {directory}: checkpoint {tag} does not exist.")
+    if cfg is not None and needs_reshape(os.path.join(directory, tag), cfg):
+        return load_resharded(engine, ps, cfg, os.path.join(directory, tag))
     path, client_state = engine.load_checkpoint(directory, tag=tag)
     if path is None:
         raise ConfigError(f"--load {directory}: DeepSpeed could not read checkpoint {tag}.")
+    if cfg is not None:
+        load_expert_weights(engine.module, os.path.join(directory, tag), Layout.of_run(cfg), ps)
     rng_path = _rng_file(directory, tag, dist.get_rank())
     if os.path.isfile(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))  # our own file: numpy/python RNG tuples

@@ -14,14 +14,30 @@ def on_gpu() -> bool:
     return get_accelerator().device_name() == "cuda"
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _mpi_rendezvous() -> None:
+    """``mpirun`` without torch's variables: DeepSpeed's MPI discovery (mpi4py) sets RANK,
+    WORLD_SIZE, LOCAL_RANK and MASTER_ADDR (rank 0's first address); the port is one that rank 0
+    finds free, broadcast the same way, instead of DeepSpeed's fixed 29500 that two jobs on one
+    host would share. MASTER_ADDR / MASTER_PORT passed to mpirun (``-x``) win."""
+    from deepspeed.comm.comm import mpi_discovery
+    from mpi4py import MPI
+    given = {k: os.environ[k] for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    comm = MPI.COMM_WORLD
+    port = given.get("MASTER_PORT") or comm.bcast(str(_free_port("")) if comm.Get_rank() == 0 else None, root=0)
+    mpi_discovery(distributed_port=int(port), verbose=False)
+    os.environ.update(given)
 
 
 def init_distributed(timeout_minutes: float) -> None:
     """Join the process group the launcher described (or a group of one for ``python script.py``)."""
+    if "RANK" not in os.environ and ("OMPI_COMM_WORLD_RANK" in os.environ or "PMI_RANK" in os.environ):
+        _mpi_rendezvous()
     if "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ and "PMI_RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

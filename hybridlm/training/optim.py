@@ -65,6 +65,10 @@ class ClippingAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, groups, *, model: nn.Module, ps, clip: float, **kwargs):
+        # Its state dict is the checkpoint's optimizer state: naming the parameters (torch keeps
+        # "param_names" per group) lets a checkpoint be read, and reshaped, without this process.
+        names = {p: n for n, p in model.named_parameters()}
+        groups = [{**g, "param_names": [names[p] for p in g["params"]]} for g in groups]
         super().__init__(groups, **kwargs)
         self._model, self._ps, self._clip = model, ps, clip
         self._global_grad_norm = None  # DeepSpeed reads these two attributes after step()

@@ -8,6 +8,7 @@ Order of set-up (each step needs the previous one):
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -25,8 +26,11 @@ from ..data.builtin import builtin_prefix
 from ..data.gpt_dataset import build_gpt_datasets
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
-from ..model.specs import apply_recompute, build_model
+from ..model.attention_backends import resolve_backend
+from ..model.specs import apply_recompute, build_model, compile_layers
+from ..model.transformer_engine import TELocalMatmul, fp8_context, fp8_recipe
 from ..model.weights import init_parameters
+from ..ops import select_kernels
 from ..parallel.moe import set_aux_loss_scale
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
@@ -37,6 +41,7 @@ from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read
 from .metrics import StepLog, peak_tflops
 from .moe_metrics import collect_moe_stats
 from .optim import WarmupDecayLR, build_optimizer
+from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, ExitSignal, Preempted
 from .profiling import StepProfiler
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
@@ -59,10 +64,29 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
         raise ConfigError(f"--fp16 is not supported by DeepSpeed on this device ({accelerator.device_name()}); use --bf16 or fp32.")
     if cfg.train.bf16 and not accelerator.is_bf16_supported():
         raise ConfigError(f"--bf16 is not supported by DeepSpeed on this device ({accelerator.device_name()}); use fp32.")
+    check_model_impl(cfg)
     checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
+    checkpoint.check_load(cfg.train.load, cfg.train.ckpt_step, cfg)
     StepProfiler.parse(cfg.train.profile_step_range)
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
     return cfg, finalize_ds_config(ds, cfg)
+
+
+def check_model_impl(cfg: RunConfig) -> str:
+    """The attention kernel and linear-layer library are usable here; returns the attention line for the log."""
+    m = cfg.model
+    try:
+        backend, why = resolve_backend(m.attention_backend, m.attention_dropout)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.transformer_impl == "transformer_engine":
+        if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+            raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU "
+                              "(pip install transformer-engine[pytorch]).")
+        if m.fp8_format and cfg.parallel.recompute_granularity:
+            raise ConfigError("--fp8-format cannot be combined with --recompute-granularity yet: recomputing an FP8 "
+                              "layer needs Transformer Engine's own checkpointing to replay its scaling state.")
+    return f"attention {backend} ({why})"
 
 
 class TrainingStopped(RuntimeError):
@@ -95,12 +119,19 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     if p.recompute_granularity:
         deepspeed.checkpointing.configure(ps, partition_activations=p.partition_activations)
 
-    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device())
+    te = cfg.model.transformer_impl == "transformer_engine"
+    recipe = fp8_recipe(cfg.model)
+    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device(),
+                        local_matmul=TELocalMatmul if te else None, layer_context=lambda: fp8_context(recipe),
+                        kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
     set_aux_loss_scale(model, 1.0 / cfg.gradient_accumulation_steps)  # as DeepSpeed scales the LM loss
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers)
+    if cfg.model.torch_compile:
+        compile_layers(model)
+        plan.compile_loss()
 
     offloading = offload_device(ds_config, "optimizer") is not None
     optimizer = None
@@ -120,7 +151,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     train_data, valid_data = build_datasets(cfg)
     run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data)
     if t.load:
-        client_state = checkpoint.load(engine, t.load, t.ckpt_step)
+        client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
         if client_state is None:
             if dist.get_rank() == 0:
                 print(f"--load {t.load}: no checkpoint there yet; starting from iteration 0", flush=True)
@@ -196,7 +227,7 @@ def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
                     client_state={"consumed_samples": run.iteration * t.global_batch_size,
-                                  "wandb_run_id": run.wandb_run_id})
+                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps)
 
 
 def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
@@ -211,6 +242,7 @@ def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
 def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     """The whole job. Returns the logged records (for tests and benchmarks)."""
     cfg, ds_config = prepare_config(parse_args(argv))
+    exit_signal = ExitSignal(cfg.train.exit_signal) if cfg.train.exit_signal_handler else None  # before the slow set-up
     run = build_run(cfg, ds_config)
     t = cfg.train
     rank0 = dist.get_rank() == 0
@@ -220,7 +252,8 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
         print(f"hybridlm: {run.ps} | TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
               f"DP={cfg.parallel.data_parallel_size} EP={cfg.parallel.expert_model_parallel_size} "
               f"SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
-              f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps", flush=True)
+              f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps | "
+              f"{check_model_impl(cfg)}", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
@@ -266,11 +299,18 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
             started = time.perf_counter()  # evaluation time is not training time
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run)
+        if exit_signal is not None and run.iteration < t.train_iters and exit_signal.agreed(device()):
+            break  # every rank saves below, at the same iteration
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
     profiler.close()
     close_all(trackers)
     log.close()
+    if exit_signal is not None:
+        exit_signal.restore()
+        if run.iteration < t.train_iters:
+            raise Preempted(f"{t.exit_signal} received: saved {checkpoint.tag_for(run.iteration)} in {t.save} and stopped "
+                            f"at iteration {run.iteration} of {t.train_iters}")
     return records
 
 
@@ -282,7 +322,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, TrainingStopped) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3
+    except Preempted as e:
+        if dist.get_rank() == 0:
+            print(f"hybridlm: {e}; exit code {REQUEUE_EXIT_CODE} asks for a requeue", flush=True)
+        code = REQUEUE_EXIT_CODE
+    else:
+        code = 0
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
+    return code

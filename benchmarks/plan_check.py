@@ -1,0 +1,101 @@
+"""The memory planner against a measured run: one layout, every rank's peak, the prediction beside it.
+
+    torchrun --nproc_per_node 2 benchmarks/plan_check.py --label "DP2 ZeRO-1" -- [pretrain flags]   # CPU
+    deepspeed --num_gpus 2 benchmarks/plan_check.py --label "TP2" -- --bf16 [pretrain flags]        # GPU
+
+Each rank runs the real training (``hybridlm.training.trainer.pretrain``) inside
+``hybridlm.planner.measure.PeakMemory`` (CUDA: ``max_memory_allocated``; CPU: the allocator's
+records under ``torch.profiler``); rank 0 prints the worst rank's peak, the planner's estimate
+for the same flags (``hybridlm.planner.memory.estimate``) and their ratio, and appends one row
+to ``--results-file``. ``--reduce-bucket-size N`` runs with a copy of the DeepSpeed JSON whose
+gradient buckets hold N elements (the shipped 5e8 would otherwise dominate small CPU models).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _small_bucket_json(path: str, elements: int) -> str:
+    with open(path) as f:
+        ds = json.load(f)
+    zero = ds.setdefault("zero_optimization", {})
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        zero[key] = elements
+    fd, out = tempfile.mkstemp(prefix="plan_check_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(ds, f)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--label", required=True, help="the layout's name in the results table")
+    parser.add_argument("--results-file", default=None, help="append one markdown row here (rank 0)")
+    parser.add_argument("--reduce-bucket-size", type=int, default=None, help="gradient bucket elements (default: the JSON's)")
+    parser.add_argument("--model-label", default=None, help="the model's name in the table (default: --model or the shape)")
+    args, flags = parser.parse_known_args()
+    flags = [f for f in flags if f != "--"]
+    flags = [f for f in flags if not f.startswith("--local_rank")]
+
+    import torch
+    import torch.distributed as dist
+
+    from hybridlm.config import parse_args
+    from hybridlm.model.attention_backends import resolve_backend
+    from hybridlm.planner.measure import PeakMemory
+    from hybridlm.planner.memory import GIB, estimate, layout_from_run
+    from hybridlm.training.trainer import prepare_config, pretrain
+
+    run_flags = list(flags)
+    if args.reduce_bucket_size:
+        cfg0 = parse_args(flags)
+        run_flags += ["--deepspeed_config", _small_bucket_json(cfg0.train.deepspeed_config, args.reduce_bucket_size)]
+    cfg, ds = prepare_config(parse_args(run_flags))
+    lay = layout_from_run(cfg, ds)
+    backend, _ = resolve_backend(cfg.model.attention_backend, cfg.model.attention_dropout)
+    names = cfg.model.fused_op_names()  # None: "auto", every op fused on a GPU, none on a CPU
+    fused = torch.cuda.is_available() if names is None else "rmsnorm" in names
+    predicted = estimate(cfg.model, lay, backend=backend, fused=fused)
+
+    with PeakMemory() as peak:
+        pretrain(run_flags)
+    peaks = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak.bytes)
+    if dist.get_rank() == 0:
+        worst = max(peaks)
+        ratio = predicted.total / worst
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in predicted.gib().items() if k != "total" and v)
+        print(f"PLAN {args.label}: measured {worst / GIB:.3f} GiB (ranks: {', '.join(f'{p / GIB:.3f}' for p in peaks)}) | "
+              f"planner {predicted.total / GIB:.3f} GiB ({parts}; stage {predicted.stage}) | planner/measured {ratio:.3f}",
+              flush=True)
+        if args.results_file:
+            launcher = (f"deepspeed --num_gpus {dist.get_world_size()}" if torch.cuda.is_available()
+                        else f"torchrun --nproc_per_node {dist.get_world_size()}")
+            shown = sys.argv[1:]
+            i = shown.index("--results-file") if "--results-file" in shown else -1
+            if i >= 0:
+                del shown[i:i + 2]
+            command = f"{launcher} benchmarks/plan_check.py {shlex.join(shown)}"
+            model = args.model_label or cfg.model.model or (f"d{cfg.model.hidden_size} L{cfg.model.num_layers} "
+                                                             f"seq {cfg.model.seq_length} vocab {cfg.model.vocab_size}")
+            when = datetime.date.today().isoformat()
+            with open(args.results_file, "a") as f:
+                f.write(f"| {when} | {dist.get_world_size()}x {device} | {model} | {args.label} | "
+                        f"measured {worst / GIB:.3f} GiB, planner {predicted.total / GIB:.3f} GiB "
+                        f"({100 * (ratio - 1):+.1f}%) | `{command}` |\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

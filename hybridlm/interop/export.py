@@ -1,0 +1,170 @@
+"""A hybridlm checkpoint of any layout -> a Hugging Face model directory.
+
+    config.json, generation_config.json       the transformers config of the matching family
+    model.safetensors                          or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+    tokenizer files                            the run's tokenizer (see ``tokenizer_files``)
+
+Parameters are read one at a time (``CheckpointReader``: files memory-mapped, TP/EP shards
+joined by the parameters' sharding tags), mapped by ``hf_names`` and written into shards of at
+most ``max_shard_bytes``, so memory holds about one shard. Everything is written into a
+temporary directory beside ``output`` and renamed into place at the end: an interrupted
+export never leaves a directory that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from ..config import ConfigError
+from .hf_names import HF_CLASSES, export_architecture, hf_config, parameter_rules
+from .layout import resolve_tag_dir
+from .reader import CheckpointReader
+from .tokenizer_files import write_tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2048' -> bytes (powers of 1000, as Hugging Face counts)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    upper = text.strip().upper()
+    for unit, scale in units.items():
+        if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(upper[: -len(unit)]) * scale)
+    if upper.isdigit():
+        return int(upper)
+    raise ConfigError(f"--max-shard-size {text}: not a size (e.g. 5GB, 500MB, or bytes).")
+
+
+class ShardWriter:
+    """Tensors in, safetensors shards of at most ``max_bytes`` out (a tensor larger than that gets
+    a shard of its own), named as ``save_pretrained`` names them once the count is known."""
+
+    def __init__(self, directory: str, max_bytes: int):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []  # (temporary file, tensor names)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+        path = os.path.join(self.directory, f"shard-{len(self.shards):05d}.tmp")
+        save_file(self.pending, path, metadata={"format": "pt"})
+        os.chmod(path, 0o644)  # safetensors creates files private to the user; save_pretrained's are readable
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        if self.pending or not self.shards:
+            self._flush()
+        if len(self.shards) == 1:
+            os.replace(self.shards[0][0], os.path.join(self.directory, SAFE_WEIGHTS))
+            return [SAFE_WEIGHTS]
+        count, weight_map, names = len(self.shards), {}, []
+        for i, (path, tensors) in enumerate(self.shards, start=1):
+            final = f"model-{i:05d}-of-{count:05d}.safetensors"
+            os.replace(path, os.path.join(self.directory, final))
+            weight_map.update({t: final for t in tensors})
+            names.append(final)
+        with open(os.path.join(self.directory, SAFE_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+        return names + [SAFE_INDEX]
+
+
+def check_output(output: str) -> None:
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ConfigError(f"--output {output} already exists and is not an empty directory; choose a new one.")
+
+
+def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, max_shard_size: str = "5GB",
+                 progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """Write the Hugging Face directory ``output`` from ``checkpoint`` (a run directory or a
+    global_step folder). Returns a summary (architecture, files, dtype)."""
+    max_bytes = parse_size(max_shard_size)
+    if dtype is not None and dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
+    check_output(output)
+    reader = CheckpointReader(resolve_tag_dir(checkpoint))
+    cfg, layout = reader.model_config, reader.layout
+    arch = export_architecture(cfg)
+    rules = parameter_rules(arch, cfg, reader.names())
+    if dtype is None:
+        dtype = "bf16" if layout.bf16 else "fp16" if layout.fp16 else "fp32"
+    torch_dtype = DTYPES[dtype]
+    tied = not cfg.untie_embeddings_and_output_weights
+    if cfg.num_experts is not None and cfg.moe_capacity_factor:
+        log(f"note: trained with --moe-capacity-factor {cfg.moe_capacity_factor}; Mixtral is dropless, so its outputs "
+            "differ wherever training would have dropped tokens")
+
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        writer = ShardWriter(staging, max_bytes)
+        for name in _progress(reader.names(), progress, f"export {os.path.basename(reader.tag_dir)}"):
+            rule = rules[name]
+            for hf_name, tensor in zip(rule.theirs, rule.split(reader.weight(name))):
+                writer.add(hf_name, tensor.to(torch_dtype))
+        files = writer.close()
+        if reader.info.tokenizer_known:
+            eod, tokenizer_line = write_tokenizer(reader.info.settings, staging, cfg.seq_length)
+        else:
+            eod, tokenizer_line = None, "tokenizer: not written, the checkpoint was imported without tokenizer files"
+        hf = hf_config(arch, cfg, bos=eod, eos=eod, dtype=_TORCH_DTYPE_NAMES[torch_dtype])
+        hf.save_pretrained(staging)
+        _add_legacy_rope_theta(os.path.join(staging, "config.json"))
+        _write_generation_config(staging, eod)
+        if os.path.isdir(output):
+            os.rmdir(output)  # empty, checked above
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log(f"exported {reader.tag_dir} ({layout.describe()}, {len(rules)} parameters) to {output} as "
+        f"{HF_CLASSES[arch]} in {dtype}{', tied embeddings' if tied else ''}: {', '.join(files)}")
+    log(tokenizer_line)
+    return {"architecture": HF_CLASSES[arch], "files": files, "dtype": dtype, "eos_token_id": eod}
+
+
+def _add_legacy_rope_theta(path: str) -> None:
+    """transformers < 5 reads the RoPE base from "rope_theta" (else its default, 1e6 for Mixtral):
+    keep it beside v5's "rope_parameters" so the export computes the same on both."""
+    with open(path) as f:
+        config = json.load(f)
+    theta = (config.get("rope_parameters") or {}).get("rope_theta")
+    if theta is not None and "rope_theta" not in config:
+        config["rope_theta"] = theta
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+
+def _write_generation_config(directory: str, eod: Optional[int]) -> None:
+    from transformers import GenerationConfig
+    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(directory)
+
+
+def _progress(items, enabled: bool, description: str):
+    if not enabled:
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=description, unit="tensor", file=sys.stderr)

@@ -1,0 +1,253 @@
+"""Continue a checkpoint at another parallel layout (TP, PP, DP, EP, ZeRO stage, precision).
+
+DeepSpeed loads a checkpoint only at the layout that saved it. Here every rank of the new run
+reads, for each parameter it holds, the full tensor (``CheckpointReader``: any saved layout),
+cuts its own TP/EP slice with the parameter's sharding tags, and writes it into the engine:
+the model weight, and where the saved optimizer state is readable, the fp32 master copy, Adam's
+two moments and its step count, into whichever optimizer DeepSpeed built (torch AdamW without
+ZeRO, BF16_Optimizer, ZeRO-1/2, ZeRO-3) the way DeepSpeed's own universal-checkpoint loader
+does. The iteration, LR schedule and sample count carry over; the random streams are per rank
+and cannot, so dropout masks restart. One log line says what was carried and what was reset.
+
+The vocabulary is padded to a multiple of TP: rows beyond the smaller padding are dropped or
+zero-filled (padding rows never appear in data).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError, RunConfig
+from .layout import CheckpointInfo, Layout, ParamInfo, parameter_table, read_info, vocab_parameters
+from .reader import OPTIMIZER_KEYS, CheckpointReader, OptimizerStateUnavailable
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def needs_reshape(tag_dir: str, cfg: RunConfig) -> bool:
+    """Whether ``--load`` must go through this module rather than DeepSpeed's own loader."""
+    if cfg.train.finetune:
+        return True
+    if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
+        return False  # saved before layouts were recorded: DeepSpeed's loader, as before
+    info = read_info(tag_dir, "--load")
+    return not info.optimizer_state or info.layout != Layout.of_run(cfg)
+
+
+def check_loadable(tag_dir: str, cfg: RunConfig) -> None:
+    """Before any process group exists: the checkpoint holds this model (at any layout), or one sentence says why not."""
+    if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
+        return  # saved before layouts were recorded; DeepSpeed's loader checks shapes itself
+    info = read_info(tag_dir, "--load")
+    saved = parameter_table(info.model_config(), info.layout.tp, info.layout.ep)
+    here = parameter_table(cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size)
+    check_same_model(saved, here, vocab_parameters(cfg.model), f"--load {tag_dir}")
+
+
+def check_same_model(saved: dict[str, ParamInfo], here: dict[str, ParamInfo], vocab: set[str], where: str) -> None:
+    """Same parameter names and full shapes (the vocabulary rows may differ by TP padding)."""
+    missing, extra = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
+    if missing or extra:
+        name = (missing or extra)[0]
+        side = "this model has" if missing else "the checkpoint has"
+        raise ConfigError(f"{where} was saved for a different model: {side} parameter {name} and the other does not; "
+                          "the model flags must match the checkpoint's config.yaml.")
+    for name, info in here.items():
+        a, b = saved[name].full_shape, info.full_shape
+        if (a[1:] != b[1:]) if name in vocab else (a != b):
+            raise ConfigError(f"{where} was saved for a different model: {name} has shape {a} there and {b} here; "
+                              "the model flags must match the checkpoint's config.yaml.")
+
+
+def fit_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Drop or zero-fill trailing rows (vocabulary padding)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    out = tensor.new_zeros((rows, *tensor.shape[1:]))
+    keep = min(rows, tensor.shape[0])
+    out[:keep] = tensor[:keep]
+    return out
+
+
+def to_local(full: torch.Tensor, param: nn.Parameter, ps) -> torch.Tensor:
+    for sharding, group in ((getattr(param, "tp_sharding", None), ps.tp), (getattr(param, "ep_sharding", None), ps.ep)):
+        if sharding is not None:
+            full = sharding.shard(full, group.rank, group.size)
+    return full
+
+
+class _Source:
+    """This rank's slices of the saved tensors, in the new layout's shapes."""
+
+    def __init__(self, reader: CheckpointReader, cfg: RunConfig, ps, tag_dir: str):
+        here = parameter_table(cfg.model, ps.tp.size, ps.ep.size)
+        check_same_model(reader.params, here, vocab_parameters(cfg.model), f"--load {tag_dir}")
+        self.reader, self.ps, self.here = reader, ps, here
+        self.vocab = vocab_parameters(cfg.model)
+
+    def _fit(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return fit_rows(full, self.here[name].full_shape[0]) if name in self.vocab else full
+
+    def weight(self, name: str, param: nn.Parameter) -> torch.Tensor:
+        return to_local(self._fit(name, self.reader.weight(name)), param, self.ps).contiguous()
+
+    def optimizer(self, name: str, param: nn.Parameter) -> dict[str, torch.Tensor]:
+        state = self.reader.optimizer_state(name)
+        return {k: to_local(self._fit(name, v.float()), param, self.ps).contiguous() for k, v in state.items()}
+
+
+def _kind(optimizer) -> str:
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return "zero3"
+    if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
+        return "zero12"
+    if hasattr(optimizer, "bf16_groups"):
+        return "bf16"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return "torch"
+    return type(optimizer).__name__
+
+
+@torch.no_grad()
+def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
+    """Load ``tag_dir`` (any saved layout) into ``engine`` (this run's layout). Returns the client
+    state the trainer resumes from (iteration 0 with ``--finetune`` or a weights-only checkpoint)."""
+    reader = CheckpointReader(tag_dir, "--load")
+    source = _Source(reader, cfg, ps, tag_dir)
+    info: CheckpointInfo = reader.info
+    weights_only = cfg.train.finetune or not info.optimizer_state
+    optimizer, kind = engine.optimizer, _kind(engine.optimizer)
+    if kind not in ("torch", "zero12", "bf16", "zero3"):
+        raise ConfigError(f"--load {tag_dir}: reshaping into DeepSpeed's {kind} optimizer is not supported; "
+                          f"continue at the saved layout ({info.layout.describe()}).")
+    if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "offload_param_nvme", False):
+        raise ConfigError(f"--load {tag_dir}: reshaping into a run with NVMe offload is not supported; continue at the "
+                          f"saved layout ({info.layout.describe()}) or reshape without NVMe offload first.")
+    reset_reason = "--finetune" if cfg.train.finetune else "the checkpoint holds weights only" if weights_only else None
+    step = None
+    if reset_reason is None:
+        try:
+            step = reader.optimizer_step()
+        except OptimizerStateUnavailable as e:
+            reset_reason = str(e)
+    names = {p: n for n, p in engine.module.named_parameters()}
+    states = _gather(engine.module, source, carry=step is not None)
+    {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](
+        optimizer, names, states, step)
+    client = {} if weights_only else reader.client_state()
+    if not weights_only:
+        engine.global_steps = client.get("global_steps", client.get("iteration", 0))
+        engine.global_samples = client.get("global_samples", engine.global_steps * engine.train_batch_size())
+        engine.skipped_steps = client.get("skipped_steps", 0)
+        if engine.lr_scheduler is not None and client.get("lr_scheduler") is not None:
+            engine.lr_scheduler.load_state_dict(client["lr_scheduler"])
+    _log(tag_dir, info, Layout.of_run(cfg), step, reset_reason, client)
+    return {"iteration": client.get("iteration", 0), "consumed_samples": client.get("consumed_samples", 0),
+            "wandb_run_id": client.get("wandb_run_id")}
+
+
+def _gather(module: nn.Module, source: _Source, *, carry: bool) -> dict:
+    """param -> {"weight": local value, and with ``carry`` fp32 / exp_avg / exp_avg_sq}."""
+    states = {}
+    for name, param in module.named_parameters():
+        entry = {"weight": source.weight(name, param)}
+        if carry:
+            entry.update(source.optimizer(name, param))
+        states[param] = entry
+    return states
+
+
+def _into_torch(optimizer, names, states, step) -> None:
+    """fp32 without ZeRO: the module parameters are the master weights; torch AdamW's own state."""
+    for param, entry in states.items():
+        param.copy_(entry["weight"].to(param.device, param.dtype))
+        if step is not None:
+            optimizer.state[param] = {"step": _step_tensor(step, optimizer, param),
+                                      **{k: entry[k].to(param.device) for k in MOMENTS}}
+
+
+def _step_tensor(step: int, optimizer, param) -> torch.Tensor:
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu")
+
+
+def _into_hp_mapped(optimizer, names, states, step) -> None:
+    """ZeRO-1/2 and BF16_Optimizer: each low-precision parameter maps a fragment of its flat fp32
+    partition (``_hp_mapping``); fill the fragments, then let DeepSpeed lay the moments out flat."""
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    lp_groups = optimizer.bit16_groups if hasattr(optimizer, "bit16_groups") else optimizer.bf16_groups
+    for group_index, lp_group in enumerate(lp_groups):
+        for lp in lp_group:
+            entry = states[lp]
+            lp.copy_(entry["weight"].to(lp.device, lp.dtype))
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue  # no fragment of this parameter in this rank's partition
+            address = mapping.lp_fragment_address
+            master = entry["fp32"] if step is not None else entry["weight"].float()
+            mapping.hp_fragment.copy_(master.flatten().narrow(0, address.start, address.numel))
+            if step is not None:
+                mapping.optim_fragment = {k: entry[k].flatten().narrow(0, address.start, address.numel)
+                                          .to(mapping.hp_fragment.device).clone() for k in MOMENTS}
+        if step is not None:
+            flat = optimizer.optimizer.param_groups[group_index]["params"][0]
+            optimizer.optimizer.state[flat]["step"] = _step_tensor(step, optimizer.optimizer, flat)
+            map_to_flat_opt_states(flat, lp_group, optimizer.optimizer.state, list(MOMENTS))
+
+
+def _into_zero3(optimizer, names, states, step) -> None:
+    """ZeRO-3: each parameter is split evenly over its partition group; the flat fp32 sub-groups
+    (and the moments, laid out the same way) are rebuilt from this rank's slices, as DeepSpeed's
+    universal loader does, then copied into the low-precision partitions."""
+    optimizer.checkpoint_event_prologue()
+    keys = OPTIMIZER_KEYS if step is not None else ("fp32",)
+    for key in keys:
+        for sub_group, params in enumerate(optimizer.fp16_groups):
+            flat = optimizer.fp32_partitioned_groups_flat[sub_group]
+            values = torch.zeros_like(flat)
+            offset = 0
+            for param in params:
+                entry = states[param]
+                full = (entry["weight"].float() if key == "fp32" and step is None else entry[key]).flatten()
+                group = optimizer._get_param_partition_group(param)
+                rank, size = dist.get_rank(group=group), dist.get_world_size(group=group)
+                numel = param.ds_tensor.ds_numel
+                padded = torch.nn.functional.pad(full, (0, numel * size - full.numel()))
+                values.narrow(0, offset, numel).copy_(padded.narrow(0, rank * numel, numel))
+                offset += numel
+            if key == "fp32":
+                flat.data.copy_(values)
+                if step is not None:
+                    optimizer.optimizer.state[flat]["step"] = _step_tensor(step, optimizer.optimizer, flat)
+            else:
+                optimizer.optimizer.state[flat][key] = values
+    for sub_group, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
+        low = optimizer.fp16_partitioned_groups_flat[sub_group]
+        low.data.copy_(flat.data)
+        for partition, value in zip(optimizer.fp16_partitioned_groups[sub_group],
+                                    optimizer.unflatten(low, optimizer.fp16_partitioned_groups[sub_group])):
+            partition.data = value.data
+    optimizer.checkpoint_event_epilogue()
+
+
+def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, client) -> None:
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tag = os.path.basename(os.path.normpath(tag_dir))
+    carried = ["model weights"]
+    reset = ["random streams (dropout masks restart)"]
+    if step is not None:
+        carried.append(f"optimizer state (fp32 master weights, Adam moments, step {step})")
+    else:
+        reset.insert(0, f"optimizer state ({reset_reason})")
+    if client:
+        carried.append(f"LR schedule and iteration {client.get('iteration', 0)}")
+    else:
+        reset.insert(1, "LR schedule and iteration (start at 0)")
+    print(f"--load {os.path.dirname(os.path.abspath(tag_dir))}: {tag} saved at {info.layout.describe()}, "
+          f"loaded at {here.describe()}; carried: {', '.join(carried)}; reset: {', '.join(reset)}.", flush=True)

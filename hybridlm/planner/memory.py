@@ -1,0 +1,364 @@
+"""Bytes per GPU of one training layout: parameters, gradients, optimizer states, activations.
+
+The figures follow what this code and DeepSpeed 0.19 actually allocate, not a textbook model;
+each term names the tensors it counts. Ψ below is the parameter count one rank holds (its TP
+shard of its pipeline stage's layers, experts divided over EP), DP the data-parallel size, and
+B DeepSpeed's ``reduce_bucket_size`` (elements) from the JSON.
+
+Model states, by DeepSpeed's optimizer path (``engine._do_optimizer_sanity_check``):
+
+  fp32, ZeRO-0      params 4Ψ, Adam moments 8Ψ; grads 4Ψ exist from backward to the step
+                    (then set to None); DP > 1 all-reduces them through a flat copy of up to B
+  fp32, ZeRO-1/2    params 4Ψ (flattened), fp32 master partition 4Ψ/DP, moments 8Ψ/DP;
+                    gradient reduce bucket(s) of B fp32 (two with overlap_comm) allocated at
+                    every backward; ZeRO-1 keeps the full grads 4Ψ until the reduction, ZeRO-2
+                    only its partition 4Ψ/DP
+  fp32, ZeRO-3      params 4Ψ/DP plus the layers gathered at a time, master/moments 12Ψ/DP,
+                    grads 4Ψ/DP, buckets as ZeRO-2
+  bf16, ZeRO-0      PP = 1: DeepSpeed's fused FP16_Optimizer for bf16: params 2Ψ, grads 2Ψ,
+                    fp32 master 4Ψ, moments 8Ψ, fp32 flat grads 4Ψ during the step;
+                    PP > 1: BF16_Optimizer: master and moments partitioned over DP (12Ψ/DP),
+                    fp32 grad accumulation 4Ψ
+  bf16, ZeRO-1/2/3  as fp32 with 2-byte params and grads; master and moments stay fp32
+
+Activations are what autograd keeps per transformer layer per micro-batch (measured with
+saved-tensor hooks on this code, see benchmarks/plan_check.py), in bytes per token of the
+micro-batch, with h hidden, A = heads x head_dim, G = groups x head_dim, f the MLP width, t = TP,
+e = 2 (bf16) or 4 (fp32):
+
+  2 norms           input kept in fp32 (4h; fp32 runs keep the input itself) + normalised
+                    (e h) + output, which the next linear keeps (e h; under SP the linear
+                    keeps the gathered, full-sequence input: that term does not shrink with SP)
+  attention         QKV output e(A+2G)/t (v is a view of it), rotated q and k e(A+G)/t, the
+                    projection input eA/t (+ the kernel's output eA/t where it keeps one)
+  SwiGLU MLP        fc1 output e 2f/t, silu(gate) e f/t, fc2 input e f/t
+  with SP           the norm terms (not the linear inputs) divide by t
+
+Full recompute keeps only each layer's input (e h, /t with SP or partitioned activations) and
+rebuilds one layer at a time in backward (+1 layer). Selective recompute keeps attention's
+inputs and rebuilds the kernel (saves its output). The pipeline's first stage keeps
+min(PP, micro-batches) micro-batches in flight under 1F1B; the last stage adds the
+cross-entropy over the vocabulary: logits (e), an fp32 copy (bf16 runs), the shifted logits and
+their exponentials (4 + 4 bytes) per token per V/t at its peak, of which the softmax stays for
+backward. A fixed allowance covers the rest (embedding output, RoPE tables, small buffers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from ..config import ModelConfig
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: how a model is split and trained. DP = world / (TP x PP)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    zero: int = 0
+    sequence_parallel: bool = False
+    recompute: Optional[str] = None  # "full", "selective" or None
+    micro_batch_size: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step per DP rank
+    bf16: bool = True
+    offload_optimizer: bool = False  # ZeRO-1/2/3: master + moments (and the step) on the CPU
+    offload_params: bool = False  # ZeRO-3: parameters on the CPU between uses
+    reduce_bucket: float = 5e8  # DeepSpeed's reduce_bucket_size (elements)
+    overlap_comm: Optional[bool] = None  # default: DeepSpeed's shipped JSONs (off for ZeRO-1, on for 2 and 3)
+    prefetch_bucket: float = 5e7  # ZeRO-3 stage3_prefetch_bucket_size (elements)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def overlap(self) -> bool:
+        return self.zero >= 2 if self.overlap_comm is None else self.overlap_comm
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.ep > 1:
+            parts.append(f"EP{self.ep}")
+        parts.append(f"ZeRO-{self.zero}")
+        if self.sequence_parallel:
+            parts.append("SP")
+        if self.recompute:
+            parts.append(f"rc-{self.recompute}")
+        if self.offload_optimizer or self.offload_params:
+            parts.append("offload-" + ("params+opt" if self.offload_params else "opt"))
+        return " ".join(parts)
+
+
+@dataclass
+class Breakdown:
+    """Per-GPU bytes on the rank that needs the most (its pipeline ``stage``): each term at its
+    own largest, and ``total``, the peak over a step. Gradients, reduce buckets and activations
+    do not peak at the same moment, so ``total`` is less than the sum of the terms; ``moment``
+    says when it happens (the end of forward, the start of backward, or the step)."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    buffers: float = 0.0
+    overhead: float = 0.0
+    total: float = 0.0
+    moment: str = ""
+    activations_without_recompute: float = 0.0
+    stage: int = 0
+    params_on_rank: int = 0
+    notes: list = field(default_factory=list)
+
+    def gib(self) -> dict:
+        return {k: getattr(self, k) / GIB for k in ("parameters", "gradients", "optimizer", "activations", "logits",
+                                                     "buffers", "overhead", "total")}
+
+
+# ---------------------------------------------------------------- parameters
+
+def layer_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int) -> tuple[int, int]:
+    """(dense, expert) parameters of transformer layer ``layer`` on one TP x EP rank."""
+    h, d = cfg.hidden_size, cfg.kv_channels
+    q, kv = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    bias = cfg.add_bias_linear
+    dense = (h * (q + 2 * kv) + q * h) // tp + 2 * h + (bias * ((q + 2 * kv) // tp + h))
+    width = 2 if cfg.swiglu else 1
+    if cfg.is_moe_layer(layer):
+        per_expert = (width + 1) * h * cfg.moe_ffn_hidden_size // tp
+        expert = cfg.num_experts // ep * per_expert
+        dense += h * cfg.num_experts  # the router, replicated
+        if cfg.moe_shared_expert_intermediate_size:
+            dense += (width + 1) * h * cfg.moe_shared_expert_intermediate_size // tp
+        return dense, expert
+    dense += (width + 1) * h * cfg.ffn_hidden_size // tp + bias * (width * cfg.ffn_hidden_size // tp + h)
+    return dense, 0
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Transformer layers per pipeline stage as DeepSpeed's ``partition_method='type:...'`` splits them:
+    as even as possible, the remainder going to the last stages (``ds_utils.partition_balanced``
+    on equal weights gives the same counts as ``partition_uniform``)."""
+    base, extra = divmod(num_layers, pp)
+    counts = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+    starts = [sum(counts[:s]) for s in range(pp)]
+    return [range(starts[s], starts[s] + counts[s]) for s in range(pp)]
+
+
+def stage_parameters(cfg: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]:
+    """(dense, expert) parameters one rank of ``stage`` holds."""
+    vocab = cfg.pad_vocab(lay.tp)
+    embedding = vocab // lay.tp * cfg.hidden_size
+    dense = expert = 0
+    for layer in stage_layers(cfg.num_layers, lay.pp)[stage]:
+        d, e = layer_parameters(cfg, layer, lay.tp, lay.ep)
+        dense, expert = dense + d, expert + e
+    first, last = stage == 0, stage == lay.pp - 1
+    if first:
+        dense += embedding
+        if cfg.position_embedding_type == "learned_absolute":
+            dense += cfg.max_position_embeddings * cfg.hidden_size
+    if last:
+        dense += cfg.hidden_size  # final norm
+        if cfg.untie_embeddings_and_output_weights or not first:
+            dense += embedding  # the head (a tied head on a later stage is a copy of the embedding)
+    return dense, expert
+
+
+# ---------------------------------------------------------------- activations
+
+def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
+                                     fused: bool = False, layer: int = 0) -> float:
+    """Bytes autograd keeps for one transformer layer per token of a micro-batch (no recompute)."""
+    e = 2 if lay.bf16 else 4
+    t = lay.tp
+    sp = lay.sequence_parallel and t > 1
+    h, d = cfg.hidden_size, cfg.kv_channels
+    A, G = cfg.num_attention_heads * d, cfg.num_query_groups * d
+    # Norms: the fp32 input (fp32 runs: the input itself) and the normalised tensor (reference
+    # kernel), or the input only (fused kernel); divided over TP under SP.
+    norm_kept = e if fused else (4 + e)
+    norms = 2 * norm_kept * h / (t if sp else 1)
+    linear_inputs = 2 * e * h  # QKV's and fc1's inputs: full sequence even under SP (gathered)
+    if backend == "cudnn" and G != A:
+        attention = e * 5 * A / t  # q, k and v repeated to every head, the output, the projection input
+    elif backend == "flash":
+        attention = e * (3 * A + 2 * G) / t  # contiguous q, k, v copies, the output, the projection input
+    elif backend in ("cudnn", "te"):
+        attention = e * (4 * A + 3 * G) / t  # QKV output (v view), rotated q, k, output, projection input
+    else:  # torch SDPA as measured on CPU: QKV output, rotated q (or the output), rotated k, projection input
+        attention = e * (3 * A + 3 * G) / t
+    if cfg.is_moe_layer(layer):
+        f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
+        router = 4 * cfg.num_experts * 3  # fp32 logits, probabilities, top-k bookkeeping
+    else:
+        f, router = cfg.ffn_hidden_size, 0
+    mlp = e * (3 if fused else 4) * f / t if cfg.swiglu else e * 2 * f / t
+    dropout = (2 * h / (t if sp else 1) if cfg.hidden_dropout else 0) + (1 * A / t if cfg.attention_dropout else 0)
+    return norms + linear_inputs + attention + mlp + router + dropout
+
+
+def stage_activation_bytes(cfg: ModelConfig, lay: Layout, stage: int, *, backend: str, fused: bool,
+                           recompute: Optional[str]) -> float:
+    """Activations of one stage's rank at the end of its last forward before a backward (its peak)."""
+    e = 2 if lay.bf16 else 4
+    t = lay.tp
+    sp = lay.sequence_parallel and t > 1
+    tokens = lay.micro_batch_size * cfg.seq_length
+    layers = list(stage_layers(cfg.num_layers, lay.pp)[stage])
+    per_layer = [layer_activation_bytes_per_token(cfg, lay, backend, fused, n) * tokens for n in layers]
+    if recompute == "full":
+        # each layer keeps its input (split over TP by SP, or by DeepSpeed's partitioned
+        # activations otherwise); backward rebuilds one layer at a time
+        kept = e * cfg.hidden_size * tokens / (t if t > 1 else 1)
+        micro, rebuilding = kept * len(layers), max(per_layer, default=0.0)
+    elif recompute == "selective":
+        # the attention kernel's output is rebuilt in backward instead of kept
+        A = cfg.num_attention_heads * cfg.kv_channels
+        saved = (e * A / t) * tokens if backend != "flash" else 0.0
+        micro, rebuilding = sum(per_layer) - saved * len(layers), saved
+    else:
+        micro, rebuilding = sum(per_layer), 0.0
+    in_flight = min(lay.pp - stage, lay.grad_accum) if lay.pp > 1 else 1
+    # The embedding output (the first layer's input) stays with the first layer's norm (fp32 runs) and
+    # DeepSpeed's pipeline keeps each in-flight micro-batch's stage input and output.
+    pipe_buffers = 2 * e * cfg.hidden_size * tokens / (t if sp else 1) if lay.pp > 1 else 0.0
+    return in_flight * (micro + pipe_buffers) + rebuilding
+
+
+def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
+    """The output layer and the vocab-parallel cross-entropy on the last stage: (peak in forward,
+    kept into backward). The head sees the full sequence (gathered under SP)."""
+    e = 2 if lay.bf16 else 4
+    vocab = cfg.pad_vocab(lay.tp) / lay.tp
+    tokens = lay.micro_batch_size * cfg.seq_length
+    forward = e + (4 if lay.bf16 else 0) + 4 + 4  # logits, their fp32 copy, shifted, exp (-> the softmax)
+    backward = 4 + (e if lay.bf16 else 0)  # the softmax (becomes the gradient) and its cast to bf16
+    if lay.pp > 1:
+        backward += e  # DeepSpeed's pipeline engine keeps the last stage's outputs (the logits) for backward
+    final_norm = (4 + 2 * e) * cfg.hidden_size  # the final norm's kept tensors
+    return tokens * (vocab * forward + final_norm), tokens * (vocab * backward + final_norm)
+
+
+# ---------------------------------------------------------------- model states
+
+@dataclass
+class States:
+    """Model-state bytes of one rank by when they exist within a step."""
+    params: float = 0.0
+    optimizer: float = 0.0  # fp32 master + Adam moments, from the first step on
+    grads_kept: float = 0.0  # gradient buffers that outlive the step (alive during forward too)
+    grads_end: float = 0.0  # gradients at the end of backward (replaces grads_kept then)
+    buffers_kept: float = 0.0  # communication buffers alive for the whole run
+    buffers_backward: float = 0.0  # allocated when backward starts, until the reduction ends
+    step_extra: float = 0.0  # temporaries of the reduction and the optimizer step
+    notes: list = field(default_factory=list)
+
+
+def model_states(n: float, lay: Layout) -> States:
+    """The bytes of ``n`` parameters on one rank under the layout's optimizer path (module docstring)."""
+    dp, z = lay.dp, lay.zero
+    pe = 2 if lay.bf16 else 4  # parameter / gradient element
+    bucket = lay.reduce_bucket
+    s = States()
+    if z == 0:
+        if not lay.bf16:  # torch AdamW through the engine; grads set to None after each step
+            s.params, s.optimizer, s.grads_end = 4 * n, 8 * n, 4 * n
+            s.step_extra = 4 * min(n, bucket) if dp > 1 else 0.0  # the flat all-reduce copy
+        elif lay.pp == 1:  # FP16_Optimizer (fused, bf16): fp32 master + moments, fp32 flat grads in the step
+            s.params, s.optimizer, s.grads_end = 2 * n, 12 * n, 2 * n
+            s.step_extra = 4 * n + (2 * min(n, bucket) if dp > 1 else 0.0)
+        else:  # BF16_Optimizer: master and moments partitioned over DP, fp32 accumulation kept
+            s.params, s.optimizer, s.grads_kept, s.grads_end = 2 * n, 12 * n / dp, 4 * n, 4 * n + 2 * n
+        return s
+    part = n / dp
+    s.optimizer = 0.0 if lay.offload_optimizer else 12 * part
+    if lay.offload_optimizer:
+        s.notes.append("optimizer states on the CPU")
+    reduce_dtype = 4 if (z == 1 or not lay.bf16) else pe  # ZeRO-1 stages an fp32 accumulator
+    if z in (1, 2):
+        s.params = pe * n
+        s.buffers_backward = reduce_dtype * bucket * (2 if lay.overlap else 1)
+        # ZeRO-1 keeps every gradient until the reduction at the end; ZeRO-2 only its partition (fp32)
+        s.grads_end = (pe * n + 4 * part) if z == 1 else 4 * part
+        s.step_extra = 4 * part  # the fp32 gradient partition the step reads
+    else:
+        s.params = 0.0 if lay.offload_params else pe * part
+        s.grads_kept = s.grads_end = 4 * part  # the flat gradient partition, allocated at start-up
+        s.buffers_kept = reduce_dtype * bucket + pe * lay.prefetch_bucket  # the reduce bucket, prefetched layers
+        if lay.offload_params:
+            s.notes.append("parameters on the CPU between uses")
+    return s
+
+
+def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: bool = False,
+             overhead_bytes: float = 0.0) -> Breakdown:
+    """Peak bytes on the rank that needs the most. Three moments of a step are compared:
+    the end of the last forward (all activations, the cross-entropy's peak), the start of
+    backward (the reduce buckets appear, the softmax is still kept) and the end of backward
+    (all gradients and the step's temporaries, no activations)."""
+    cfg = replace(cfg, padded_vocab_size=cfg.pad_vocab(lay.tp))
+    best: Optional[Breakdown] = None
+    for stage in range(lay.pp):
+        dense, expert = stage_parameters(cfg, lay, stage)
+        s = model_states(dense, lay)
+        if expert:  # ZeRO shards expert parameters over the expert-data-parallel group (DP / EP)
+            x = model_states(expert, replace(lay, dp=max(1, lay.dp // lay.ep)))
+            for name in ("params", "optimizer", "grads_kept", "grads_end", "step_extra"):
+                setattr(s, name, getattr(s, name) + getattr(x, name))
+        acts = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=lay.recompute)
+        plain = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=None)
+        last = stage == lay.pp - 1
+        logits_fwd, logits_bwd = logits_bytes(cfg, lay) if last else (0.0, 0.0)
+        gathered = (2 if lay.bf16 else 4) * dense / lay.dp * (lay.dp - 1) if lay.zero == 3 and not lay.offload_params else 0
+        gathered = min(gathered, (2 if lay.bf16 else 4) * lay.prefetch_bucket * 2)
+        # Under 1F1B a stage runs backward passes between forwards: the step's gradients are there
+        # from the first backward on, and ZeRO-1/2 reduce them only once the pipeline is drained.
+        grads_fwd = max(s.grads_kept, s.grads_end) if lay.pp > 1 else s.grads_kept
+        bucket_bwd = 0.0 if lay.pp > 1 else s.buffers_backward
+        moments = {
+            "forward": dict(gradients=grads_fwd, buffers=s.buffers_kept + gathered, activations=acts, logits=logits_fwd),
+            "backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered,
+                             activations=acts, logits=logits_bwd),
+            "step": dict(gradients=max(s.grads_kept, s.grads_end), buffers=s.buffers_kept + s.buffers_backward + s.step_extra,
+                         activations=0.0, logits=0.0),
+        }
+        name, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
+        b = Breakdown(parameters=s.params, gradients=max(s.grads_kept, s.grads_end), optimizer=s.optimizer,
+                      activations=acts, logits=logits_fwd,
+                      buffers=s.buffers_kept + s.buffers_backward + max(gathered, s.step_extra), overhead=overhead_bytes,
+                      total=s.params + s.optimizer + overhead_bytes + sum(parts.values()),
+                      moment=name, activations_without_recompute=plain, stage=stage, params_on_rank=dense + expert,
+                      notes=s.notes + [f"peak at the {name}"])
+        if best is None or b.total > best.total:
+            best = b
+    return best
+
+
+def total_parameters(cfg: ModelConfig) -> int:
+    """The whole model's parameters (one copy: no TP/PP/EP split)."""
+    single = Layout(tp=1, pp=1)
+    dense, expert = stage_parameters(cfg, single, 0)
+    return dense + expert
+
+
+def layout_from_run(cfg, ds: dict) -> Layout:
+    """The Layout of a validated RunConfig and its DeepSpeed JSON (``prepare_config``'s pair)."""
+    p, t = cfg.parallel, cfg.train
+    zero_json = ds.get("zero_optimization", {}) or {}
+
+    def offloaded(what: str) -> bool:
+        return (zero_json.get(f"offload_{what}") or {}).get("device") not in (None, "none")
+
+    return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
+                  ep=p.expert_model_parallel_size, zero=p.zero_stage, sequence_parallel=p.sequence_parallel,
+                  recompute=p.recompute_granularity, micro_batch_size=t.micro_batch_size,
+                  grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, offload_optimizer=offloaded("optimizer"),
+                  offload_params=offloaded("param"), reduce_bucket=float(zero_json.get("reduce_bucket_size", 5e8)),
+                  overlap_comm=zero_json.get("overlap_comm"),
+                  prefetch_bucket=float(zero_json.get("stage3_prefetch_bucket_size", 5e7)))

@@ -1,0 +1,63 @@
+"""`mpirun -np N python scripts/pretrain.py ...` on CPU with Open MPI: ranks, world size and the
+rendezvous come from MPI (mpi4py and DeepSpeed's MPI discovery), and the job computes what one
+process computes."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import run_ranks
+from oracle import ROOT, TINY, ds_config
+
+pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (apt-get install openmpi-bin libopenmpi-dev)")
+
+FLAGS = TINY + ["--train-iters", "3", "--log-interval", "1"]
+
+
+def _mpirun(ranks: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    # As root Open MPI wants these two variables; --oversubscribe lets 4 ranks share 2 cores.
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "DS_ACCELERATOR": "cpu",
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)  # only MPI may say who is who
+    return subprocess.run(["mpirun", "-np", str(ranks), "--oversubscribe", sys.executable, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _losses(path) -> list[float]:
+    with open(path) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def _single_process_losses(flags: list[str]) -> list[float]:
+    from hybridlm.training.trainer import pretrain
+    return [r["loss"] for r in pretrain(flags)]
+
+
+def test_mpi4py_runs_on_the_mpi_of_mpirun():
+    result = _mpirun(2, ["-c", "from mpi4py import MPI; c = MPI.COMM_WORLD; print(c.Get_rank(), c.Get_size())"], timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(result.stdout.split("\n")[:2]) == ["0 2", "1 2"]  # size 1 twice would mean a different MPI
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, layout", [
+    pytest.param(2, ["--deepspeed_config", "ds_configs/zero1.json"], id="np2_dp2_zero1"),
+    pytest.param(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--deepspeed_config", "ds_configs/zero1.json"], id="np4_tp2_pp2"),
+])
+def test_mpirun_trains_and_matches_the_single_process_losses(tmp_path, ranks, layout):
+    want = run_ranks(1, _single_process_losses, FLAGS + ds_config("zero1"))[0]
+    result = _mpirun(ranks, ["scripts/pretrain.py", *FLAGS, *layout, "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    dp = ranks // (2 if "--tensor-model-parallel-size" in layout else 1) // (2 if "--pipeline-model-parallel-size" in layout else 1)
+    assert f"DP={dp}" in result.stdout
+    got = _losses(tmp_path / "m.jsonl")
+    assert len(got) == 3
+    for step, (a, b) in enumerate(zip(want, got), start=1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: mpirun -np {ranks} loss {b} != single-process {a}"
