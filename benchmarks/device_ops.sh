@@ -6,7 +6,7 @@
 #   4. the reference model end to end with --fused-ops all and none (tokens/s)
 # Rows for benchmarks/RESULTS.md land in $OUT/rows.md; logs in $OUT/logs.tar.gz.
 set -uo pipefail
-source .device/install.sh || exit 1
+[ -n "${HYBRIDLM_DEVICE_READY:-}" ] || source .device/install.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -5,6 +5,7 @@
 # Rows for benchmarks/RESULTS.md land in $OUT/rows.md; logs in $OUT/logs.tar.gz.
 set -uo pipefail
 source .device/install.sh || exit 1
+export HYBRIDLM_DEVICE_READY=1  # lanes below must not re-install into /tmp/site while others import from it
 export PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
 what=${1:-all}
@@ -100,11 +101,18 @@ if [ "$what" = 7b ]; then
 fi
 if [ "$what" = round3 ]; then
   seven_b_more
+fi
+if [ "$what" = round4 ]; then
   ( offload_7b > "$OUT/lane_offload.txt" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=1 bash benchmarks/device_ops.sh > "$OUT/lane_ops.txt" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=2,3 bash benchmarks/device_plan.sh > "$OUT/lane_plan.txt" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=1 OUT="$OUT/ops" bash benchmarks/device_ops.sh > "$OUT/lane_ops.txt" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=2,3 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py \
+      -k "transformer_engine_linears_under_tp2 or (tp2_sp and bf16)" > "$OUT/logs/test_gpu_tp.log" 2>&1
+    echo "[test_gpu TP] rc=$? $(tail -1 "$OUT/logs/test_gpu_tp.log")"; grep -h -E '^E  ' "$OUT/logs/test_gpu_tp.log" | head -5
+    [ -x benchmarks/device_plan.sh ] && CUDA_VISIBLE_DEVICES=2,3 OUT="$OUT/plan" bash benchmarks/device_plan.sh ) > "$OUT/lane_tests.txt" 2>&1 &
   wait
   cat "$OUT"/lane_*.txt
+  cat "$OUT"/ops/rows.md "$OUT"/plan/rows.md >> "$OUT/rows_lanes.md" 2>/dev/null
+  mv "$OUT"/ops/logs.tar.gz "$OUT/logs/ops_logs.tar.gz" 2>/dev/null; mv "$OUT"/plan/logs.tar.gz "$OUT/logs/plan_logs.tar.gz" 2>/dev/null
 fi
 # keep the profile summaries, drop the (large) traces
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

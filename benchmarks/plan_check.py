@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--results-file", default=None, help="append one markdown row here (rank 0)")
     parser.add_argument("--reduce-bucket-size", type=int, default=None, help="gradient bucket elements (default: the JSON's)")
     parser.add_argument("--model-label", default=None, help="the model's name in the table (default: --model or the shape)")
+    parser.add_argument("--date", default=None, help="the date column (default: today)")
     args, flags = parser.parse_known_args()
     flags = [f for f in flags if f != "--"]
     flags = [f for f in flags if not f.startswith("--local_rank")]
@@ -72,24 +73,27 @@ def main() -> int:
     if dist.get_rank() == 0:
         worst = max(peaks)
         ratio = predicted.total / worst
-        device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+        world = dist.get_world_size()
+        device = (f"{world}x {torch.cuda.get_device_name()}" if torch.cuda.is_available()
+                  else f"CPU ({os.cpu_count()} cores), {world} rank{'s' if world > 1 else ''}")
         parts = ", ".join(f"{k} {v:.2f}" for k, v in predicted.gib().items() if k != "total" and v)
         print(f"PLAN {args.label}: measured {worst / GIB:.3f} GiB (ranks: {', '.join(f'{p / GIB:.3f}' for p in peaks)}) | "
               f"planner {predicted.total / GIB:.3f} GiB ({parts}; stage {predicted.stage}) | planner/measured {ratio:.3f}",
               flush=True)
         if args.results_file:
             launcher = (f"deepspeed --num_gpus {dist.get_world_size()}" if torch.cuda.is_available()
-                        else f"torchrun --nproc_per_node {dist.get_world_size()}")
+                        else f"OMP_NUM_THREADS=1 torchrun --nproc_per_node {dist.get_world_size()}")
             shown = sys.argv[1:]
-            i = shown.index("--results-file") if "--results-file" in shown else -1
-            if i >= 0:
-                del shown[i:i + 2]
+            for option in ("--results-file", "--date"):
+                if option in shown:
+                    i = shown.index(option)
+                    del shown[i:i + 2]
             command = f"{launcher} benchmarks/plan_check.py {shlex.join(shown)}"
             model = args.model_label or cfg.model.model or (f"d{cfg.model.hidden_size} L{cfg.model.num_layers} "
                                                              f"seq {cfg.model.seq_length} vocab {cfg.model.vocab_size}")
-            when = datetime.date.today().isoformat()
+            when = args.date or datetime.date.today().isoformat()
             with open(args.results_file, "a") as f:
-                f.write(f"| {when} | {dist.get_world_size()}x {device} | {model} | {args.label} | "
+                f.write(f"| {when} | {device} | {model} | {args.label} | "
                         f"measured {worst / GIB:.3f} GiB, planner {predicted.total / GIB:.3f} GiB "
                         f"({100 * (ratio - 1):+.1f}%) | `{command}` |\n")
     dist.barrier()

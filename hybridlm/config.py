@@ -102,9 +102,11 @@ class ModelConfig:
         self.fused_op_names()  # refuses an unknown name now, not at model build
 
     def fused_op_names(self) -> Optional[tuple[str, ...]]:
-        """--fused-ops as names of kernels; None means "auto" (each op's own default for the device)."""
+        """--fused-ops as names of kernels; None means "auto" (each op's own default for the device).
+        With --torch-compile, auto means none: inductor fuses these elementwise chains itself, and
+        an opaque custom op in the middle would only cut the fusion."""
         if self.fused_ops == "auto":
-            return None
+            return () if self.torch_compile else None
         if self.fused_ops in ("all", "none"):
             return FUSED_OPS if self.fused_ops == "all" else ()
         names = tuple(n.strip() for n in self.fused_ops.split(",") if n.strip())

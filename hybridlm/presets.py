@@ -93,23 +93,19 @@ class Layout:
         return out
 
 
-# Global batches follow the papers' token counts where they fit: Llama 2 trained with 4M tokens
-# per step (1024 x 4096), Llama 3 with larger ones; the templates can lower --train-iters.
+# The layouts are what `python scripts/plan.py --model NAME --gpus N` recommends for these node
+# counts (8 x 80 GiB per node); tests/test_planner.py checks that each still fits. Global batches
+# follow the papers' token counts: Llama 2 trained with 4M tokens per step (1024 x 4096).
 LAYOUTS: dict[str, Layout] = {
     # tiny-cpu.sbatch: 2 CPU ranks of one node, data parallel, fp32 (DeepSpeed's CPU accelerator).
     "tiny": Layout(nodes=1, gpus_per_node=2, zero=1, micro_batch_size=8, bf16=False, gpu_memory_gib=1.0),
-    "reference": Layout(nodes=1, gpus_per_node=8, zero=1, micro_batch_size=4, global_batch_size=256),
-    "llama2-7b": Layout(nodes=2, gpus_per_node=8, tp=1, pp=1, zero=2, recompute="selective", micro_batch_size=1,
-                        global_batch_size=1024),
-    "llama2-13b": Layout(nodes=4, gpus_per_node=8, tp=2, pp=1, zero=2, sequence_parallel=True, recompute="selective",
-                         micro_batch_size=1, global_batch_size=1024),
-    "llama2-70b": Layout(nodes=8, gpus_per_node=8, tp=8, pp=4, zero=1, sequence_parallel=True, recompute="selective",
-                         micro_batch_size=1, global_batch_size=1024),
-    "llama3-8b": Layout(nodes=2, gpus_per_node=8, tp=2, pp=1, zero=2, sequence_parallel=True, recompute="selective",
-                        micro_batch_size=1, global_batch_size=512),
+    "reference": Layout(nodes=1, gpus_per_node=8, zero=2, micro_batch_size=4, global_batch_size=256),
+    "llama2-7b": Layout(nodes=2, gpus_per_node=8, zero=2, global_batch_size=1024),
+    "llama2-13b": Layout(nodes=4, gpus_per_node=8, zero=2, global_batch_size=1024),
+    "llama2-70b": Layout(nodes=8, gpus_per_node=8, tp=4, pp=16, zero=0, sequence_parallel=True, global_batch_size=1024),
+    "llama3-8b": Layout(nodes=2, gpus_per_node=8, pp=2, zero=1, global_batch_size=512),
     # EP stays 1: --save/--load with EP > 1 is refused for now, and the template must checkpoint.
-    "mixtral-8x7b": Layout(nodes=8, gpus_per_node=8, tp=8, pp=4, ep=1, zero=1, sequence_parallel=True,
-                           recompute="full", micro_batch_size=1, global_batch_size=1024),
+    "mixtral-8x7b": Layout(nodes=8, gpus_per_node=8, pp=32, zero=1, global_batch_size=1024),
 }
 
 

@@ -33,11 +33,11 @@ def _live_state(run, with_optimizer: bool) -> dict:
     """Full tensors of the running model (all ranks call; every rank gets them)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from hybridlm.interop.reshape import _kind
+    from hybridlm.interop.reshape import optimizer_kind
     from hybridlm.model.weights import gather_full_state_dict
 
     module, ps, optimizer = run.engine.module, run.ps, run.engine.optimizer
-    kind = _kind(optimizer)
+    kind = optimizer_kind(optimizer)
     named = list(module.named_parameters())
     if with_optimizer and kind == "zero12":
         # DeepSpeed 0.19.8 links the parameters to their Adam state after stepping the *first*

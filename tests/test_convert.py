@@ -51,6 +51,20 @@ def test_reader_returns_exactly_what_the_live_engine_held(runs, case):
             assert torch.equal(saved[key], live[key][name].float()), f"{name}: {key}"
 
 
+def test_a_checkpoint_saved_before_layouts_were_recorded_is_read_from_the_run_config(runs, tmp_path):
+    from hybridlm.interop.layout import CONFIG_FILE, INFO_FILE, resolve_tag_dir
+    from hybridlm.interop.reader import CheckpointReader
+    directory, live = runs("tp2pp2_tied_gqa")
+    old = shutil.copytree(directory, tmp_path / "old")
+    tag = resolve_tag_dir(str(old))
+    os.remove(os.path.join(tag, INFO_FILE))
+    os.remove(os.path.join(tag, CONFIG_FILE))
+    reader = CheckpointReader(tag)
+    assert reader.layout.describe() == "TP=2 PP=2 DP=1 EP=1 ZeRO-1 fp32"
+    for name, tensor in live["weight"].items():
+        assert torch.equal(reader.weight(name), tensor), name
+
+
 @pytest.mark.parametrize("case", list(EXPORTS))
 def test_exported_model_computes_hybridlm_logits(runs, case, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -255,6 +269,22 @@ def test_bad_export_input_is_one_sentence(tmp_path, capsys, make, message):
     make(tmp_path / "ckpt")
     code, err = _run_script("convert_to_hf", ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--no-progress"], capsys)
     assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+
+
+@pytest.mark.parametrize("damage, message", [
+    pytest.param(lambda tag: os.remove(os.path.join(tag, "layer_03-model_01-model_states.pt")),
+                 "layer_03-model_01-model_states.pt is missing; the checkpoint is incomplete", id="missing_shard"),
+    pytest.param(lambda tag: shutil.copy(os.path.join(tag, "mp_rank_00_model_states.pt"), os.path.join(tag, "mp_rank_07_model_states.pt")),
+                 "unexpected file mp_rank_07_model_states.pt for a checkpoint saved at TP=2 PP=2", id="extra_shard"),
+])
+def test_a_damaged_checkpoint_is_one_sentence(runs, tmp_path, capsys, damage, message):
+    from hybridlm.interop.layout import resolve_tag_dir
+    directory, _ = runs("tp2pp2_tied_gqa")
+    copy = shutil.copytree(directory, tmp_path / "copy")
+    damage(resolve_tag_dir(str(copy)))
+    code, err = _run_script("convert_to_hf", ["--checkpoint", str(copy), "--output", str(tmp_path / "hf"), "--no-progress"], capsys)
+    assert code == 2 and err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not os.path.exists(tmp_path / "hf") and not [f for f in os.listdir(tmp_path) if "partial" in f]
 
 
 def test_export_refuses_an_existing_output(runs, tmp_path, capsys):

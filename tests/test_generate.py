@@ -106,3 +106,22 @@ def test_sampling_is_seeded_and_the_same_on_every_tp_rank(tmp_path):
     assert first == second
     assert first["top1"] == first["greedy"]
     assert first["a"] == first["again"] and first["a"] != first["b"]
+
+
+@pytest.mark.parametrize("flags, world, message", [
+    pytest.param(["--prompt-ids", "5 999"], "1", "token ids outside the vocabulary 0..299", id="id_outside_vocabulary"),
+    pytest.param(["--prompt-ids", "5 6"], "3", "3 ranks (TP) do not divide the model's 4 attention heads", id="tp_not_dividing_heads"),
+])
+def test_bad_generate_input_is_one_sentence_before_any_process_group(tmp_path, capsys, monkeypatch, flags, world, message):
+    import importlib.util
+    import torch.distributed as dist
+    checkpoint = _checkpoint(tmp_path, tp=1)
+    spec = importlib.util.spec_from_file_location("generate_script", os.path.join(ROOT, "scripts", "generate.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    capsys.readouterr()
+    assert script.main(["--checkpoint", checkpoint, *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and message in err, err
+    assert not dist.is_initialized()

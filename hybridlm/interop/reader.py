@@ -47,7 +47,7 @@ class CheckpointReader:
         self.params: dict[str, ParamInfo] = parameter_table(self.model_config, self.layout.tp, self.layout.ep)
         self._files: dict[str, object] = {}
         self._module_index: Optional[dict] = None
-        self._flat_index: dict[tuple, dict] = {}
+        self._flat_index: dict[int, dict] = {}  # ZeRO-3: model-parallel rank -> where each parameter's partitions lie
         self._stage_of: Optional[dict[str, int]] = None
 
     # ---------------------------------------------------------------- public
@@ -101,7 +101,13 @@ class CheckpointReader:
         info = self.params[name]
         per_ep = []
         for ep_rank in range(self.layout.ep if info.is_expert else 1):
-            shards = [local(ep_rank, t).reshape(info.local_shape) for t in range(self.layout.tp if info.tp_sharding else 1)]
+            shards = []
+            for tp_rank in range(self.layout.tp if info.tp_sharding else 1):
+                shard = local(ep_rank, tp_rank)
+                if shard.numel() != _numel(info.local_shape):
+                    raise ConfigError(f"{self.flag} {self.tag_dir}: {name} of TP rank {tp_rank}, EP rank {ep_rank} has shape "
+                                      f"{tuple(shard.shape)}, but the saved model's slice is {info.local_shape}.")
+                shards.append(shard.reshape(info.local_shape))
             per_ep.append(info.tp_sharding.unshard(shards) if info.tp_sharding else shards[0])
         full = (info.ep_sharding.unshard(per_ep) if info.is_expert else per_ep[0]).detach()
         if tuple(full.shape) != info.full_shape:
@@ -150,6 +156,13 @@ class CheckpointReader:
                 for key in self._file(path).get("module") or {}:
                     add(key, 0, tp_rank, path, "module", key)
         tied = not self.model_config.untie_embeddings_and_output_weights
+        if any(_LAYER_FILE.match(entry) for entry in os.listdir(self.tag_dir)):  # PP > 1: one file per layer and TP rank
+            specs = sorted({0 if n.startswith("tied_modules.") else int(n.split(".", 1)[0]) for n in self.params})
+            for spec in specs:
+                for tp_rank in range(lay.tp):
+                    entry = f"layer_{spec:02d}-model_{tp_rank:02d}-model_states.pt"
+                    if not os.path.isfile(os.path.join(self.tag_dir, entry)):
+                        raise self._missing(entry)
         for entry in sorted(os.listdir(self.tag_dir)):
             match = _LAYER_FILE.match(entry)
             if match:

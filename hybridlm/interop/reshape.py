@@ -99,7 +99,8 @@ class _Source:
         return {k: to_local(self._fit(name, v.float()), param, self.ps).contiguous() for k, v in state.items()}
 
 
-def _kind(optimizer) -> str:
+def optimizer_kind(optimizer) -> str:
+    """Which of DeepSpeed's optimizer wrappers (or a plain torch optimizer) the engine built."""
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):
         return "zero3"
     if hasattr(optimizer, "bit16_groups") and hasattr(optimizer, "single_partition_of_fp32_groups"):
@@ -119,7 +120,7 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
     source = _Source(reader, cfg, ps, tag_dir)
     info: CheckpointInfo = reader.info
     weights_only = cfg.train.finetune or not info.optimizer_state
-    optimizer, kind = engine.optimizer, _kind(engine.optimizer)
+    optimizer, kind = engine.optimizer, optimizer_kind(engine.optimizer)
     if kind not in ("torch", "zero12", "bf16", "zero3"):
         raise ConfigError(f"--load {tag_dir}: reshaping into DeepSpeed's {kind} optimizer is not supported; "
                           f"continue at the saved layout ({info.layout.describe()}).")
@@ -133,10 +134,8 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
             step = reader.optimizer_step()
         except OptimizerStateUnavailable as e:
             reset_reason = str(e)
-    names = {p: n for n, p in engine.module.named_parameters()}
     states = _gather(engine.module, source, carry=step is not None)
-    {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](
-        optimizer, names, states, step)
+    {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
     client = {} if weights_only else reader.client_state()
     if not weights_only:
         engine.global_steps = client.get("global_steps", client.get("iteration", 0))
@@ -160,22 +159,26 @@ def _gather(module: nn.Module, source: _Source, *, carry: bool) -> dict:
     return states
 
 
-def _into_torch(optimizer, names, states, step) -> None:
+def _into_torch(optimizer, states: dict, step) -> None:
     """fp32 without ZeRO: the module parameters are the master weights; torch AdamW's own state."""
     for param, entry in states.items():
-        param.copy_(entry["weight"].to(param.device, param.dtype))
+        param.copy_((entry["fp32"] if step is not None else entry["weight"]).to(param.device, param.dtype))
         if step is not None:
             optimizer.state[param] = {"step": _step_tensor(step, optimizer, param),
                                       **{k: entry[k].to(param.device) for k in MOMENTS}}
 
 
-def _step_tensor(step: int, optimizer, param) -> torch.Tensor:
+def _step_tensor(step: int, optimizer, param):
+    """Adam's step in the form the optimizer keeps it: torch's a float tensor (on the device when
+    fused or capturable), DeepSpeed's CPU Adam a plain int."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return step
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
     on_device = group.get("fused") or group.get("capturable")
     return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
-def _into_hp_mapped(optimizer, names, states, step) -> None:
+def _into_hp_mapped(optimizer, states: dict, step) -> None:
     """ZeRO-1/2 and BF16_Optimizer: each low-precision parameter maps a fragment of its flat fp32
     partition (``_hp_mapping``); fill the fragments, then let DeepSpeed lay the moments out flat."""
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
@@ -184,12 +187,12 @@ def _into_hp_mapped(optimizer, names, states, step) -> None:
     for group_index, lp_group in enumerate(lp_groups):
         for lp in lp_group:
             entry = states[lp]
-            lp.copy_(entry["weight"].to(lp.device, lp.dtype))
+            master = entry["fp32"] if step is not None else entry["weight"].float()
+            lp.copy_(master.to(lp.device, lp.dtype))  # what DeepSpeed's step leaves in the low-precision copy
             mapping = lp._hp_mapping
             if mapping is None:
                 continue  # no fragment of this parameter in this rank's partition
             address = mapping.lp_fragment_address
-            master = entry["fp32"] if step is not None else entry["weight"].float()
             mapping.hp_fragment.copy_(master.flatten().narrow(0, address.start, address.numel))
             if step is not None:
                 mapping.optim_fragment = {k: entry[k].flatten().narrow(0, address.start, address.numel)
@@ -200,7 +203,7 @@ def _into_hp_mapped(optimizer, names, states, step) -> None:
             map_to_flat_opt_states(flat, lp_group, optimizer.optimizer.state, list(MOMENTS))
 
 
-def _into_zero3(optimizer, names, states, step) -> None:
+def _into_zero3(optimizer, states: dict, step) -> None:
     """ZeRO-3: each parameter is split evenly over its partition group; the flat fp32 sub-groups
     (and the moments, laid out the same way) are rebuilt from this rank's slices, as DeepSpeed's
     universal loader does, then copied into the low-precision partitions."""

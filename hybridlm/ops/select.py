@@ -24,7 +24,7 @@ from .jit import BuildOutcome, build_and_load
 # torch.compile of the same function in benchmarks/kernels.py (see benchmarks/RESULTS.md).
 DEFAULT_FUSED: dict[str, tuple[str, ...]] = {
     "cpu": (),
-    "cuda": ("rmsnorm", "rope", "swiglu"),
+    "cuda": (),  # none beat torch.compile fwd+bwd on an H200 (benchmarks/RESULTS.md); --fused-ops all for +34% in eager
 }
 
 

@@ -240,7 +240,10 @@ def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
     forward = e + (4 if lay.bf16 else 0) + 4 + 4  # logits, their fp32 copy, shifted, exp (-> the softmax)
     backward = 4 + (e if lay.bf16 else 0)  # the softmax (becomes the gradient) and its cast to bf16
     if lay.pp > 1:
-        backward += e  # DeepSpeed's pipeline engine keeps the last stage's outputs (the logits) for backward
+        # DeepSpeed's pipeline engine keeps the last stage's outputs (the logits) in its buffers until
+        # the buffer is reused: the current micro-batch's for backward, and the previous one's
+        backward += e
+        forward += e if lay.grad_accum > 1 else 0
     final_norm = (4 + 2 * e) * cfg.hidden_size  # the final norm's kept tensors
     return tokens * (vocab * forward + final_norm), tokens * (vocab * backward + final_norm)
 

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the kernel the run will use (default cudnn: what auto picks on Hopper without flash-attn)")
     parser.add_argument("--no-fused-ops", action="store_true", help="plan the PyTorch norm/SwiGLU (the fused kernels keep less)")
     parser.add_argument("--allow-offload", action="store_true", help="also consider CPU offload (ZeRO-1/3)")
+    parser.add_argument("--allow-ep", action="store_true",
+                        help="MoE: also consider expert parallelism (the trainer cannot --save/--load with EP > 1 yet)")
     parser.add_argument("--top", type=int, default=12, help="rows to print (default 12; the fitting layouts first)")
     return parser
 
@@ -75,7 +77,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory)
     plans = plan(cfg, cluster, micro_batch_size=mbs, global_batch_size=gbs, bf16=not args.fp32,
-                 backend=args.attention_backend, fused=not args.no_fused_ops, allow_offload=args.allow_offload)
+                 backend=args.attention_backend, fused=not args.no_fused_ops, allow_offload=args.allow_offload,
+                 allow_ep=args.allow_ep)
     if not plans:
         print(f"error: no layout of {args.model} divides {args.gpus} GPUs with global batch {gbs} and micro-batch {mbs}; "
               "change --gpus or --global-batch-size.", file=sys.stderr)

@@ -3,7 +3,8 @@
 Candidates: TP in {1, 2, 4, 8} within a node (heads, key/value groups and the MLP width
 divisible by it), PP dividing the layer count, DP what is left, ZeRO 0-3 (2 and 3 only with
 PP = 1, as DeepSpeed's pipeline engine allows), sequence parallelism whenever TP > 1,
-recompute none / selective / full; for MoE models EP dividing both the experts and DP.
+recompute none / selective / full; for MoE models, with ``allow_ep``, EP dividing both the
+experts and DP (off by default: the trainer cannot --save with EP > 1 yet).
 
 A layout fits when its planned peak plus headroom (``FRAGMENTATION`` of it for the caching
 allocator, plus ``RESERVED_GIB`` for the CUDA context, NCCL and library workspaces, which
@@ -17,8 +18,9 @@ predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/
   bubble      x (1 + (PP - 1) / micro-batches) for 1F1B
   TP          4 all-reduces (or reduce-scatter + all-gather) of the layer's activations per
               layer per micro-batch, over NVLink, not overlapped
-  DP          one gradient reduction per step (x 1.5 for ZeRO-3's parameter gathers) over the
-              network once DP spans nodes; ZeRO-2/3 overlap half of it with backward
+  DP          one gradient reduction per step over the network once DP spans nodes; ZeRO-2
+              overlaps half of it with backward (overlap_comm); ZeRO-3 adds its parameter
+              gathers (x 1.5) and waits on them
   offload     optimizer states over PCIe and the CPU's Adam: 16 bytes per parameter at 10 GB/s
 
 So at equal memory it prefers less TP, fewer bubbles and less recompute, as the brief asks.
@@ -33,7 +35,7 @@ from ..config import ModelConfig
 from ..training.metrics import flops_per_token
 from .memory import GIB, Breakdown, Layout, estimate, stage_parameters
 
-FRAGMENTATION = 0.08
+FRAGMENTATION = 0.10
 RESERVED_GIB = 2.0
 BASE_MFU = 0.45
 PEAK_TFLOPS = 989.0
@@ -67,7 +69,8 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int,
                       bf16: bool = True, recompute: Iterable = (None, "selective", "full"),
-                      zero: Iterable[int] = (0, 1, 2, 3), allow_offload: bool = False) -> list[Layout]:
+                      zero: Iterable[int] = (0, 1, 2, 3), allow_offload: bool = False,
+                      allow_ep: bool = False) -> list[Layout]:
     """Every layout the trainer accepts for this model on ``cluster`` (see the module docstring)."""
     out = []
     for tp in (1, 2, 4, 8):
@@ -84,7 +87,7 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: i
             if global_batch_size % (micro_batch_size * dp):
                 continue
             gas = global_batch_size // (micro_batch_size * dp)
-            eps = [ep for ep in _divisors(cfg.num_experts) if dp % ep == 0] if cfg.num_experts else [1]
+            eps = [ep for ep in _divisors(cfg.num_experts) if dp % ep == 0] if cfg.num_experts and allow_ep else [1]
             for ep in eps:
                 for z in zero:
                     if z >= 2 and pp > 1:
@@ -118,23 +121,24 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
     dense, expert = stage_parameters(cfg, lay, 0)
     dp_bytes = 2 * (lay.dp - 1) / lay.dp * (dense + expert) * e * (1.5 if lay.zero == 3 else 1.0)
     dp_bw = NETWORK_GBPS if lay.tp * lay.pp < cluster.gpus and cluster.gpus > cluster.gpus_per_node else NVLINK_GBPS
-    exposed = 0.5 if lay.zero >= 2 else 1.0
+    exposed = 0.5 if lay.zero == 2 else 1.0
     dp_time = dp_bytes * exposed / (dp_bw * 1e9) if lay.dp > 1 else 0.0
     offload = 16 * (dense + expert) / (OFFLOAD_GBPS * 1e9) if lay.offload_optimizer else 0.0
     return compute * (1 + bubble) + tp_time + dp_time + offload
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int, bf16: bool = True,
-         backend: str = "cudnn", fused: bool = True, allow_offload: bool = False) -> list[Plan]:
+         backend: str = "cudnn", fused: bool = True, allow_offload: bool = False, allow_ep: bool = False) -> list[Plan]:
     """Every candidate with its memory and step time, the fitting ones first, fastest first."""
     plans = []
     for lay in candidate_layouts(cfg, cluster, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                                 bf16=bf16, allow_offload=allow_offload):
+                                 bf16=bf16, allow_offload=allow_offload, allow_ep=allow_ep):
         memory = estimate(cfg, lay, backend=backend, fused=fused)
         p = Plan(lay, memory, step_seconds(cfg, lay, cluster), fits=False)
         p.fits = p.needed_gib <= cluster.gpu_memory_gib
         plans.append(p)
-    plans.sort(key=lambda p: (not p.fits, p.step_seconds, p.layout.tp, p.layout.pp, p.layout.zero))
+    # fitting first, then fastest; at equal time the one that leaves more memory free
+    plans.sort(key=lambda p: (not p.fits, round(p.step_seconds, 6), p.needed_gib))
     return plans
 
 

@@ -1,0 +1,117 @@
+"""The memory planner: its figures match measured peaks of real runs, its terms move the way the
+layout says they should, every preset's layout fits, and its recommendation is a command the
+trainer accepts."""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from harness import run_ranks
+
+SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "704", "--seq-length", "128", "--vocab-size", "4096", "--micro-batch-size", "4",
+         "--train-iters", "2", "--log-interval", "1", "--lr-warmup-iters", "0"]
+
+
+def _measured_and_planned(flags: list[str]) -> tuple[int, float]:
+    from hybridlm.config import parse_args
+    from hybridlm.planner.measure import PeakMemory
+    from hybridlm.planner.memory import estimate, layout_from_run
+    from hybridlm.training.trainer import prepare_config, pretrain
+    cfg, ds = prepare_config(parse_args(flags))
+    planned = estimate(cfg.model, layout_from_run(cfg, ds), backend="sdpa").total
+    with PeakMemory() as peak:
+        pretrain(flags)
+    return peak.bytes, planned
+
+
+def _json(tmp_path, stage: int, bucket: float) -> list[str]:
+    """A ZeRO JSON with small gradient buckets (the shipped 5e8 elements would dwarf this model)."""
+    path = tmp_path / f"zero{stage}.json"
+    path.write_text(json.dumps({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                                "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                                      "allgather_bucket_size": bucket}}))
+    return ["--deepspeed_config", str(path)]
+
+
+@pytest.mark.parametrize("world, stage", [pytest.param(1, 0, id="zero0"), pytest.param(2, 1, id="dp2_zero1")])
+def test_planned_peak_is_within_15_percent_of_the_measured_one(tmp_path, world, stage):
+    results = run_ranks(world, _measured_and_planned, SMALL + _json(tmp_path, stage, 2e6))
+    measured = max(m for m, _ in results)
+    planned = results[0][1]
+    assert abs(planned / measured - 1) < 0.15, f"planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
+
+
+def _cfg(model: str, *extra: str):
+    from hybridlm.config import parse_args
+    return parse_args(["--model", model, *extra]).model
+
+
+def test_terms_follow_the_layout():
+    from hybridlm.planner.memory import Layout, estimate
+    cfg = _cfg("llama2-7b")
+    base = Layout(dp=8, zero=0, micro_batch_size=1, grad_accum=8)
+    zero3 = estimate(cfg, Layout(dp=8, zero=3, micro_batch_size=1, grad_accum=8))
+    plain = estimate(cfg, base)
+    assert zero3.optimizer == pytest.approx(plain.optimizer / 8) and zero3.parameters < plain.parameters / 7
+    full = estimate(cfg, Layout(dp=8, zero=0, micro_batch_size=1, grad_accum=8, recompute="full"))
+    assert full.activations < plain.activations / 5 and full.activations_without_recompute == plain.activations
+    tp2 = estimate(cfg, Layout(tp=2, dp=4, zero=0, micro_batch_size=1, grad_accum=8))
+    assert tp2.parameters == pytest.approx(plain.parameters / 2, rel=0.01)
+    # 1F1B: the first stage keeps PP micro-batches in flight, so its activations grow with PP's depth
+    pp4 = estimate(cfg, Layout(pp=4, dp=2, zero=1, micro_batch_size=1, grad_accum=16))
+    assert pp4.stage == 0 and pp4.activations == pytest.approx(plain.activations, rel=0.1)
+
+
+def test_every_preset_layout_fits_its_gpus():
+    from hybridlm.planner.memory import Layout, estimate
+    from hybridlm.planner.search import FRAGMENTATION, RESERVED_GIB
+    from hybridlm.presets import LAYOUTS
+    for name, lay in LAYOUTS.items():
+        if name == "tiny":
+            continue  # CPU ranks
+        cfg = _cfg(name)
+        gbs = lay.global_batch_size or lay.micro_batch_size * lay.dp
+        planned = estimate(cfg, Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=lay.ep, zero=lay.zero,
+                                       sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
+                                       micro_batch_size=lay.micro_batch_size, grad_accum=gbs // (lay.micro_batch_size * lay.dp),
+                                       bf16=lay.bf16), backend="cudnn", fused=True)
+        needed = planned.total * (1 + FRAGMENTATION) / 2**30 + RESERVED_GIB
+        assert needed <= lay.gpu_memory_gib, f"{name}: the preset's layout needs {needed:.1f} GiB of {lay.gpu_memory_gib}"
+
+
+def test_plan_70b_on_64_gpus_recommends_a_command_the_trainer_accepts(capsys):
+    from hybridlm.config import parse_args
+    from hybridlm.planner.report import main
+    assert main(["--model", "llama2-70b", "--gpus", "64", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    for column in ("params", "grads", "optim", "act", "act+rc", "total"):
+        assert column in out
+    command = shlex.split(out.strip().splitlines()[-1])
+    args = command[command.index("scripts/pretrain.py") + 1:]
+    cfg = parse_args(args)
+    cfg.parallel.zero_stage = int(cfg.train.deepspeed_config.split("zero")[1][0])
+    cfg.validate(64)  # TP x PP divides the world, batches divide, ZeRO-2/3 only without PP
+    assert cfg.parallel.tensor_model_parallel_size <= 8 and cfg.model.model == "llama2-70b"
+
+
+def test_candidates_never_pair_zero2_or_3_with_a_pipeline():
+    from hybridlm.planner.search import Cluster, candidate_layouts
+    layouts = candidate_layouts(_cfg("llama2-13b"), Cluster(32), micro_batch_size=1, global_batch_size=1024)
+    assert layouts and all(lay.zero < 2 for lay in layouts if lay.pp > 1)
+    assert all(lay.tp <= 8 and 32 % lay.world == 0 for lay in layouts)
+
+
+def test_nothing_fits_is_said_and_exits_1(capsys):
+    from hybridlm.planner.report import main
+    assert main(["--model", "llama2-70b", "--gpus", "8", "--gpu-memory", "24"]) == 1
+    assert "No layout fits in 24 GiB" in capsys.readouterr().out
+
+
+def test_unknown_preset_is_one_sentence(capsys):
+    from hybridlm.planner.report import main
+    assert main(["--model", "llama-7b", "--gpus", "8"]) == 2
+    assert "--model llama-7b: unknown preset; the presets are" in capsys.readouterr().err
