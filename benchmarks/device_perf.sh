@@ -96,6 +96,24 @@ offload_7b() {  # one GPU
   bench 7b_offload 0 29542 300 --model llama2-7b --steps 3 --warmup 1 --label "1 GPU, ZeRO-3 + CPU offload (params and optimizer), bf16, gbs 1" -- \
       --bf16 --global-batch-size 1 --deepspeed_config ds_configs/zero3_offload_cpu.json
 }
+# Final round: the reference with --torch-compile now that auto keeps fused custom ops out of
+# the compiled graphs, side by side with the baselines, and two batch/ZeRO variants.
+round5() {
+  ( bench ref_compile_vs 0 29550 330 "${REF[@]}" --baselines torch-compile,hf-zero2 \
+      --label "1 GPU, ZeRO-1, bf16, gbs 32, --torch-compile" -- "${GBS32[@]}" --torch-compile \
+      --profile-step-range 22,24 --profile-dir "$OUT/prof/ref_compile" > "$OUT/lane_r0.txt" 2>&1 ) &
+  ( bench ref_compile_gbs64 1 29551 240 "${REF[@]}" --label "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile" -- \
+      --bf16 --global-batch-size 64 --deepspeed_config ds_configs/zero1.json --torch-compile > "$OUT/lane_r1.txt" 2>&1 ) &
+  ( bench ref_compile_zero0 2 29552 240 "${REF[@]}" --label "1 GPU, ZeRO-0, bf16, gbs 32, --torch-compile" -- \
+      --bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero0.json --torch-compile > "$OUT/lane_r2.txt" 2>&1 ) &
+  ( bench ref_fp8_current 3 29553 240 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 e4m3 current scaling" -- "${GBS32[@]}" \
+      --transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe current > "$OUT/lane_r3.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/lane_r*.txt
+}
+if [ "$what" = round5 ]; then
+  round5
+fi
 if [ "$what" = 7b ]; then
   seven_b
 fi

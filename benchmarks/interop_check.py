@@ -27,7 +27,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", 
          "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "5", "--train-iters", "20", "--log-interval", "1",
          "--seed", "3"]
 # --tiny: a smoke test of this script on a CPU machine (4 gloo ranks, the tests' tiny model).
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "4",
         "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "20",
         "--log-interval", "1", "--seed", "7"]

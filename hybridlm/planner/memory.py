@@ -350,18 +350,23 @@ def total_parameters(cfg: ModelConfig) -> int:
     return dense + expert
 
 
-def layout_from_run(cfg, ds: dict) -> Layout:
-    """The Layout of a validated RunConfig and its DeepSpeed JSON (``prepare_config``'s pair)."""
-    p, t = cfg.parallel, cfg.train
+def ds_settings(ds: dict) -> dict:
+    """The Layout fields a DeepSpeed JSON decides: ZeRO stage, bucket sizes, overlap, offload."""
     zero_json = ds.get("zero_optimization", {}) or {}
 
     def offloaded(what: str) -> bool:
         return (zero_json.get(f"offload_{what}") or {}).get("device") not in (None, "none")
 
+    return dict(zero=int(zero_json.get("stage", 0) or 0), reduce_bucket=float(zero_json.get("reduce_bucket_size", 5e8)),
+                overlap_comm=zero_json.get("overlap_comm"),
+                prefetch_bucket=float(zero_json.get("stage3_prefetch_bucket_size", 5e7)),
+                offload_optimizer=offloaded("optimizer"), offload_params=offloaded("param"))
+
+
+def layout_from_run(cfg, ds: dict) -> Layout:
+    """The Layout of a validated RunConfig and its DeepSpeed JSON (``prepare_config``'s pair)."""
+    p, t = cfg.parallel, cfg.train
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
-                  ep=p.expert_model_parallel_size, zero=p.zero_stage, sequence_parallel=p.sequence_parallel,
+                  ep=p.expert_model_parallel_size, sequence_parallel=p.sequence_parallel,
                   recompute=p.recompute_granularity, micro_batch_size=t.micro_batch_size,
-                  grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, offload_optimizer=offloaded("optimizer"),
-                  offload_params=offloaded("param"), reduce_bucket=float(zero_json.get("reduce_bucket_size", 5e8)),
-                  overlap_comm=zero_json.get("overlap_comm"),
-                  prefetch_bucket=float(zero_json.get("stage3_prefetch_bucket_size", 5e7)))
+                  grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, **ds_settings(ds))

@@ -7,9 +7,13 @@ import shlex
 import sys
 from typing import Optional
 
+from dataclasses import replace
+
 from ..config import ConfigError, parse_args
+from ..config import build_parser as build_run_parser
 from ..presets import LAYOUTS, MODELS
-from .memory import GIB, Layout, total_parameters
+from ..training.ds_config import read_ds_config
+from .memory import GIB, Layout, ds_settings, total_parameters
 from .search import RESERVED_GIB, FRAGMENTATION, Cluster, Plan, plan, pretrain_flags, recommend
 
 COLUMNS = ("layout", "params", "grads", "optim", "act", "act+rc", "logits", "buffers", "total", "need", "fits", "step s")
@@ -53,6 +57,41 @@ def format_table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _typed(extra: list[str]) -> set[str]:
+    """The config fields the flags after -- set (not the preset's)."""
+    values = vars(build_run_parser().parse_args(extra))
+    return {k for k, v in values.items() if k not in ("config", "local_rank", "deepspeed")}
+
+
+def _constraint(run, typed: set[str]):
+    """Layout flags given after -- pin the candidates: TP, PP, EP, SP, recompute, and a DeepSpeed
+    JSON (its ZeRO stage, bucket sizes and offload). None when nothing is pinned."""
+    p = run.parallel
+    pinned = {"tp": p.tensor_model_parallel_size if "tensor_model_parallel_size" in typed else None,
+              "pp": p.pipeline_model_parallel_size if "pipeline_model_parallel_size" in typed else None,
+              "ep": p.expert_model_parallel_size if "expert_model_parallel_size" in typed else None,
+              "sequence_parallel": p.sequence_parallel if "sequence_parallel" in typed else None,
+              "recompute": p.recompute_granularity if "recompute_granularity" in typed else None}
+    pinned = {k: v for k, v in pinned.items() if v is not None}
+    if "recompute_granularity" in typed:
+        pinned["recompute"] = p.recompute_granularity  # None too: "no recompute" pins as well
+    settings = ds_settings(read_ds_config(run.train.deepspeed_config)) if "deepspeed_config" in typed else None
+    if not pinned and settings is None:
+        return None
+
+    def constrain(lay: Layout) -> Optional[Layout]:
+        if any(getattr(lay, k) != v for k, v in pinned.items() if k != "sequence_parallel"):
+            return None
+        if "sequence_parallel" in pinned:
+            lay = replace(lay, sequence_parallel=pinned["sequence_parallel"] and lay.tp > 1)
+        if settings is not None:
+            if lay.zero != settings["zero"] or lay.offload_optimizer or lay.offload_params:
+                return None
+            lay = replace(lay, **settings)
+        return lay
+    return constrain
+
+
 def _same(a: Layout, b) -> bool:
     return (a.tp, a.pp, a.ep, a.zero, a.recompute) == (b.tp, b.pp, b.ep, b.zero, b.recompute)
 
@@ -65,10 +104,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     mbs = args.micro_batch_size or (suggested.micro_batch_size if suggested else 1)
     gbs = args.global_batch_size or (suggested.global_batch_size if suggested and suggested.global_batch_size else 1024)
     try:
-        cfg = parse_args(["--model", args.model, *extra]).model
+        run = parse_args(["--model", args.model, *extra])
+        typed = _typed(extra)
+        constrain = _constraint(run, typed)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    cfg = run.model
+    mbs = run.train.micro_batch_size if "micro_batch_size" in typed else mbs
+    gbs = run.train.global_batch_size if "global_batch_size" in typed else gbs
     if cfg.vocab_size is None:
         cfg.vocab_size = 256  # the built-in byte tokenizer
     for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node), ("--gpu-memory", args.gpu_memory)):
@@ -78,15 +122,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory)
     plans = plan(cfg, cluster, micro_batch_size=mbs, global_batch_size=gbs, bf16=not args.fp32,
                  backend=args.attention_backend, fused=not args.no_fused_ops, allow_offload=args.allow_offload,
-                 allow_ep=args.allow_ep)
+                 allow_ep=args.allow_ep or "expert_model_parallel_size" in typed, constrain=constrain)
     if not plans:
-        print(f"error: no layout of {args.model} divides {args.gpus} GPUs with global batch {gbs} and micro-batch {mbs}; "
-              "change --gpus or --global-batch-size.", file=sys.stderr)
+        print(f"error: no layout of {args.model} divides {args.gpus} GPUs with global batch {gbs} and micro-batch {mbs}"
+              f"{' and the layout flags given after --' if constrain else ''}; change --gpus, --global-batch-size or "
+              "those flags.", file=sys.stderr)
         return 2
     fitting = [p for p in plans if p.fits]
     print(f"{args.model}: {total_parameters(cfg) / 1e9:.2f}B parameters (d{cfg.hidden_size}, {cfg.num_layers} layers, "
           f"{cfg.num_attention_heads} heads / {cfg.num_query_groups} groups, seq {cfg.seq_length}, vocab {cfg.vocab_size}) on "
-          f"{args.gpus} GPUs ({cluster.gpus_per_node} per node, {args.gpu_memory:g} GiB each); micro-batch {mbs}, "
+          f"{args.gpus} GPU{'s' if args.gpus > 1 else ''} ({cluster.gpus_per_node} per node, {args.gpu_memory:g} GiB each); micro-batch {mbs}, "
           f"global batch {gbs}, {'fp32' if args.fp32 else 'bf16'}, attention {args.attention_backend}")
     print(f"Per-GPU GiB on the rank that needs the most; act = activations without recompute, act+rc = with the "
           f"layout's recompute; need = total x {1 + FRAGMENTATION:.2f} + {RESERVED_GIB:g}; step s = the coarse time model "
@@ -108,7 +153,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = best.memory
     print(f"\nRecommended: {best.layout.describe()}: {m.total / GIB:.1f} GiB planned on stage {m.stage} "
           f"({'; '.join(m.notes)}), needs {best.needed_gib:.1f} of {args.gpu_memory:g} GiB; ~{best.step_seconds:.2f} s/step.")
-    command = ["scripts/pretrain.py", "--model", args.model, *extra, *pretrain_flags(best.layout, gbs)]
+    skip = {"--" + name.replace("_", "-") for name in typed} | ({"--deepspeed_config"} if "deepspeed_config" in typed else set())
+    command = ["scripts/pretrain.py", "--model", args.model, *extra, *pretrain_flags(best.layout, gbs, skip=skip)]
     print("  deepspeed --hostfile HOSTFILE " + shlex.join(command) if args.gpus > cluster.gpus_per_node
           else f"  deepspeed --num_gpus {args.gpus} " + shlex.join(command))
     return 0

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from ..config import ModelConfig
 from ..training.metrics import flops_per_token
@@ -128,11 +128,16 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int, bf16: bool = True,
-         backend: str = "cudnn", fused: bool = True, allow_offload: bool = False, allow_ep: bool = False) -> list[Plan]:
-    """Every candidate with its memory and step time, the fitting ones first, fastest first."""
+         backend: str = "cudnn", fused: bool = True, allow_offload: bool = False, allow_ep: bool = False,
+         constrain: Optional[Callable[[Layout], Optional[Layout]]] = None) -> list[Plan]:
+    """Every candidate with its memory and step time, the fitting ones first, fastest first.
+    ``constrain`` maps a candidate to the layout to plan (e.g. with a JSON's bucket sizes) or
+    to None to drop it."""
     plans = []
     for lay in candidate_layouts(cfg, cluster, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
                                  bf16=bf16, allow_offload=allow_offload, allow_ep=allow_ep):
+        if constrain is not None and (lay := constrain(lay)) is None:
+            continue
         memory = estimate(cfg, lay, backend=backend, fused=fused)
         p = Plan(lay, memory, step_seconds(cfg, lay, cluster), fits=False)
         p.fits = p.needed_gib <= cluster.gpu_memory_gib
@@ -154,17 +159,18 @@ def ds_config_for(lay: Layout) -> str:
     return f"ds_configs/zero{lay.zero}.json"
 
 
-def pretrain_flags(lay: Layout, global_batch_size: int) -> list[str]:
-    """The layout as scripts/pretrain.py flags."""
-    flags = ["--tensor-model-parallel-size", str(lay.tp), "--pipeline-model-parallel-size", str(lay.pp)]
+def pretrain_flags(lay: Layout, global_batch_size: int, skip: Iterable[str] = ()) -> list[str]:
+    """The layout as scripts/pretrain.py flags, leaving out the flags named in ``skip``."""
+    pairs = [("--tensor-model-parallel-size", str(lay.tp)), ("--pipeline-model-parallel-size", str(lay.pp))]
     if lay.ep > 1:
-        flags += ["--expert-model-parallel-size", str(lay.ep)]
+        pairs.append(("--expert-model-parallel-size", str(lay.ep)))
     if lay.sequence_parallel:
-        flags.append("--sequence-parallel")
+        pairs.append(("--sequence-parallel", None))
     if lay.recompute:
-        flags += ["--recompute-granularity", lay.recompute]
-    flags += ["--micro-batch-size", str(lay.micro_batch_size), "--global-batch-size", str(global_batch_size),
-              "--deepspeed_config", ds_config_for(lay)]
+        pairs.append(("--recompute-granularity", lay.recompute))
+    pairs += [("--micro-batch-size", str(lay.micro_batch_size)), ("--global-batch-size", str(global_batch_size)),
+              ("--deepspeed_config", ds_config_for(lay))]
     if lay.bf16:
-        flags.append("--bf16")
-    return flags
+        pairs.append(("--bf16", None))
+    skip = set(skip)
+    return [word for flag, value in pairs if flag not in skip for word in ((flag,) if value is None else (flag, value))]
