@@ -51,7 +51,7 @@ MODELS: dict[str, list[str]] = {
 
 
 @dataclass(frozen=True)
-class Layout:
+class SuggestedLayout:
     """Where a preset runs and how it is split. DP is what the world leaves over:
     nodes x gpus_per_node / (TP x PP); EP is carved out of DP."""
 
@@ -96,21 +96,17 @@ class Layout:
 # The layouts are what `python scripts/plan.py --model NAME --gpus N` recommends for these node
 # counts (8 x 80 GiB per node); tests/test_planner.py checks that each still fits. Global batches
 # follow the papers' token counts: Llama 2 trained with 4M tokens per step (1024 x 4096).
-LAYOUTS: dict[str, Layout] = {
+LAYOUTS: dict[str, SuggestedLayout] = {
     # tiny-cpu.sbatch: 2 CPU ranks of one node, data parallel, fp32 (DeepSpeed's CPU accelerator).
-    "tiny": Layout(nodes=1, gpus_per_node=2, zero=1, micro_batch_size=8, bf16=False, gpu_memory_gib=1.0),
-    "reference": Layout(nodes=1, gpus_per_node=8, zero=2, micro_batch_size=4, global_batch_size=256),
-    "llama2-7b": Layout(nodes=2, gpus_per_node=8, zero=2, global_batch_size=1024),
-    "llama2-13b": Layout(nodes=4, gpus_per_node=8, zero=2, global_batch_size=1024),
-    "llama2-70b": Layout(nodes=8, gpus_per_node=8, tp=4, pp=16, zero=0, sequence_parallel=True, global_batch_size=1024),
-    "llama3-8b": Layout(nodes=2, gpus_per_node=8, pp=2, zero=1, global_batch_size=512),
+    "tiny": SuggestedLayout(nodes=1, gpus_per_node=2, zero=1, micro_batch_size=8, bf16=False, gpu_memory_gib=1.0),
+    "reference": SuggestedLayout(nodes=1, gpus_per_node=8, zero=2, micro_batch_size=4, global_batch_size=256),
+    "llama2-7b": SuggestedLayout(nodes=2, gpus_per_node=8, zero=2, global_batch_size=1024),
+    "llama2-13b": SuggestedLayout(nodes=4, gpus_per_node=8, zero=2, global_batch_size=1024),
+    "llama2-70b": SuggestedLayout(nodes=8, gpus_per_node=8, tp=4, pp=16, zero=0, sequence_parallel=True, global_batch_size=1024),
+    "llama3-8b": SuggestedLayout(nodes=2, gpus_per_node=8, pp=2, zero=1, global_batch_size=512),
     # EP stays 1: --save/--load with EP > 1 is refused for now, and the template must checkpoint.
-    "mixtral-8x7b": Layout(nodes=8, gpus_per_node=8, pp=32, zero=1, global_batch_size=1024),
+    "mixtral-8x7b": SuggestedLayout(nodes=8, gpus_per_node=8, pp=32, zero=1, global_batch_size=1024),
 }
-
-
-def preset_names() -> list[str]:
-    return list(MODELS)
 
 
 def model_flags(name: str) -> list[str]:
@@ -120,7 +116,8 @@ def model_flags(name: str) -> list[str]:
     return list(MODELS[name])
 
 
-def layout(name: str) -> Layout:
+def layout(name: str) -> SuggestedLayout:
+    """Preset ``name``'s suggested layout. Raises LookupError with one sentence."""
     model_flags(name)  # the same sentence for an unknown name
     if name not in LAYOUTS:
         raise LookupError(f"--model {name} has no suggested layout; the presets with one are {', '.join(LAYOUTS)}.")

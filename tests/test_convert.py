@@ -18,7 +18,7 @@ import torch
 
 from harness import run_ranks
 from interop_runs import BASE, EP2, GPT2, MOE, TP2PP2, UNTIED, hybridlm_logits, saved_run, train
-from oracle import ds_config, relative_error
+from oracle import ds_config
 
 # (world, flags, ZeRO config, Hugging Face class)
 EXPORTS = {
@@ -109,7 +109,7 @@ def _hf_model(kind: str, directory, **overrides):
     import transformers
     torch.manual_seed(0)
     common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
+                  num_key_value_heads=2, max_position_embeddings=64, rope_theta=50000.0)  # not the default base
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=False),
         "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None, head_dim=32),

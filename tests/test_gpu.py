@@ -102,3 +102,16 @@ def test_fp8_training_learns_and_stays_near_bf16(tmp_path, fmt, recipe):
     fp8 = _launch(1, flags + ["--fp8-format", fmt, "--fp8-recipe", recipe], tmp_path / "fp8.jsonl")
     assert fp8[-1] < 0.8 * fp8[0], f"FP8 loss did not fall: {fp8[0]} -> {fp8[-1]}"
     assert abs(fp8[-1] - bf16[-1]) <= 0.05 * bf16[-1], f"FP8 final loss {fp8[-1]} vs bf16 {bf16[-1]}"
+
+
+@two_gpus
+def test_torch_compile_under_pp2_tracks_one_gpu(tmp_path):
+    # Compiled layers under the pipeline engine (its send/recv stay outside the graphs); fp32,
+    # and cuDNN attention falls back to SDPA there. (TP with --torch-compile is refused: on
+    # NCCL its compiled backward gave wrong gradients, step 2 off by 2.5% at TINY.)
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--lr", "1e-3", "--train-iters", "6",
+             "--log-interval", "1", "--torch-compile"]
+    one = _launch(1, flags, tmp_path / "one.jsonl")
+    two = _launch(2, flags + ["--pipeline-model-parallel-size", "2"], tmp_path / "two.jsonl")
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: compiled PP=2 loss {b} vs compiled 1-GPU {a}"

@@ -85,7 +85,7 @@ def test_recompute_under_pipeline_matches_single_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layout", [(1, []), (2, TP2 + ["--sequence-parallel"])], ids=["one_process", "tp2_sp"])
+@pytest.mark.parametrize("world, layout", [(1, []), (2, PP2)], ids=["one_process", "pp2"])
 def test_torch_compile_computes_the_eager_function(world, layout):
     # Compiled layers (and the compiled loss with TP=1) reorder floating-point work, so this
     # holds to 1e-5 rather than bit for bit.

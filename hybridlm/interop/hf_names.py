@@ -195,7 +195,7 @@ def hf_config(arch: str, cfg: ModelConfig, *, bos: Optional[int], eos: Optional[
                       num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_query_groups,
                       head_dim=cfg.kv_channels, hidden_act="silu", max_position_embeddings=cfg.max_position_embeddings,
                       rms_norm_eps=cfg.norm_epsilon, attention_dropout=cfg.attention_dropout,
-                      rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
+                      rope_theta=cfg.rotary_base,  # transformers 5 turns it into rope_parameters; 4 reads it as is
                       architectures=[HF_CLASSES[arch]], **common)
     if arch == MIXTRAL:
         return transformers.MixtralConfig(**{**llama_like, "intermediate_size": cfg.moe_ffn_hidden_size},

@@ -23,7 +23,7 @@ import torch
 from ..config import ConfigError, config_from_dict
 from .hf_names import GPT2, HF_CLASSES, LLAMA, MISTRAL, MIXTRAL, QWEN2, parameter_rules
 from .layout import parameter_table
-from .tokenizer_files import _HF_TOKENIZER_FILES
+from .tokenizer_files import HF_TOKENIZER_FILES
 from .writer import write_checkpoint
 
 SUPPORTED = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": MISTRAL, "Qwen2ForCausalLM": QWEN2,
@@ -178,7 +178,7 @@ def import_from_hf(hf_dir: str, output: str, *, tp: int = 1, pp: int = 1, ep: in
     tensors = SafetensorsDir(hf_dir)
     flags = model_flags(arch, hf, hf_dir, seq_length)
     tokenizer_dir = os.path.join(os.path.abspath(output), "tokenizer")
-    tokenizer_files = [f for f in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
+    tokenizer_files = [f for f in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]
     if tokenizer_files:
         flags.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
     first = tensors.get(next(iter(tensors.where)))

@@ -12,6 +12,7 @@ shape and how TP and EP split it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -22,6 +23,9 @@ import torch
 from ..config import ConfigError, ModelConfig, RunConfig, effective_yaml, load_yaml
 
 INFO_FILE = "hybridlm_checkpoint.json"
+# Model settings that choose kernels, not parameters.
+PORTABLE_KERNELS = {"attention_backend": "sdpa", "transformer_impl": "local", "fp8_format": None, "fused_ops": "none",
+                    "require_fused_ops": False, "torch_compile": False}
 CONFIG_FILE = "config.yaml"
 FORMAT_VERSION = 1
 
@@ -67,9 +71,14 @@ class CheckpointInfo:
     tokenizer_known: bool = True  # False: imported without tokenizer files, so the settings' tokenizer is a placeholder
 
     def model_config(self, tp: Optional[int] = None) -> ModelConfig:
-        """The saved model, its vocabulary padded for ``tp`` (default: the saved TP)."""
+        """The saved model, its vocabulary padded for ``tp`` (default: the saved TP), with the
+        training run's kernel choices (attention backend, Transformer Engine, FP8, fused ops,
+        compile) reset to the portable PyTorch ones: they change no parameter, and a checkpoint
+        trained with flash-attn must still convert on a machine without it."""
         names = {f.name for f in fields(ModelConfig)}
-        cfg = ModelConfig(**{k: v for k, v in self.settings.items() if k in names and k != "padded_vocab_size"})
+        settings = {k: v for k, v in self.settings.items() if k in names and k != "padded_vocab_size"}
+        settings.update({k: v for k, v in PORTABLE_KERNELS.items() if k in names})
+        cfg = ModelConfig(**settings)
         if cfg.vocab_size is None:
             raise ConfigError(f"{os.path.join(self.tag_dir, CONFIG_FILE)} has no vocab-size; it was not written by a training run.")
         cfg.padded_vocab_size = cfg.pad_vocab(tp or self.layout.tp)
@@ -200,7 +209,8 @@ def parameter_table(cfg: ModelConfig, tp: int, ep: int = 1) -> dict[str, ParamIn
     from ..parallel.plan import ParallelPlan
     from ..parallel.state import GroupHandle
 
-    model = build_model(cfg, ParallelPlan(GroupHandle(None, 0, tp), ep=GroupHandle(None, 0, ep), device="meta"))
+    portable = dataclasses.replace(cfg, **{k: v for k, v in PORTABLE_KERNELS.items() if hasattr(cfg, k)})
+    model = build_model(portable, ParallelPlan(GroupHandle(None, 0, tp), ep=GroupHandle(None, 0, ep), device="meta"))
     table = {}
     for name, param in model.named_parameters():
         tp_sharding, ep_sharding = getattr(param, "tp_sharding", None), getattr(param, "ep_sharding", None)

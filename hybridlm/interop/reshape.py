@@ -45,6 +45,9 @@ def check_loadable(tag_dir: str, cfg: RunConfig) -> None:
     saved = parameter_table(info.model_config(), info.layout.tp, info.layout.ep)
     here = parameter_table(cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size)
     check_same_model(saved, here, vocab_parameters(cfg.model), f"--load {tag_dir}")
+    if needs_reshape(tag_dir, cfg) and cfg.train.fp16 and cfg.parallel.zero_stage == 0:
+        raise ConfigError(f"--load {tag_dir}: saved at {info.layout.describe()}; continuing it at another layout, or with "
+                          "--finetune, in fp16 needs ZeRO (stage 1-3): DeepSpeed's fp16 optimizer without ZeRO cannot be filled from another layout.")
 
 
 def check_same_model(saved: dict[str, ParamInfo], here: dict[str, ParamInfo], vocab: set[str], where: str) -> None:
@@ -143,7 +146,7 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
         engine.skipped_steps = client.get("skipped_steps", 0)
         if engine.lr_scheduler is not None and client.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(client["lr_scheduler"])
-    _log(tag_dir, info, Layout.of_run(cfg), step, reset_reason, client)
+    _log(tag_dir, info, Layout.of_run(cfg), step, reset_reason, client, cfg.train.global_batch_size)
     return {"iteration": client.get("iteration", 0), "consumed_samples": client.get("consumed_samples", 0),
             "wandb_run_id": client.get("wandb_run_id")}
 
@@ -238,7 +241,7 @@ def _into_zero3(optimizer, states: dict, step) -> None:
     optimizer.checkpoint_event_epilogue()
 
 
-def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, client) -> None:
+def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, client, global_batch: int) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     tag = os.path.basename(os.path.normpath(tag_dir))
@@ -252,5 +255,10 @@ def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, c
         carried.append(f"LR schedule and iteration {client.get('iteration', 0)}")
     else:
         reset.insert(1, "LR schedule and iteration (start at 0)")
+    note = ""
+    consumed, iteration = client.get("consumed_samples"), client.get("iteration", 0)
+    if consumed is not None and consumed != iteration * global_batch:
+        note = (f" Note: {consumed} samples were consumed in {iteration} steps, but --global-batch-size {global_batch} "
+                f"resumes the data at sample {iteration * global_batch}.")
     print(f"--load {os.path.dirname(os.path.abspath(tag_dir))}: {tag} saved at {info.layout.describe()}, "
-          f"loaded at {here.describe()}; carried: {', '.join(carried)}; reset: {', '.join(reset)}.", flush=True)
+          f"loaded at {here.describe()}; carried: {', '.join(carried)}; reset: {', '.join(reset)}.{note}", flush=True)

@@ -12,7 +12,7 @@ import shutil
 from typing import Optional
 
 EOD_TOKEN = "<|endoftext|>"
-_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                        "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
@@ -55,7 +55,7 @@ def write_tokenizer(settings: dict, output: str, model_max_length: int) -> tuple
         if not source or not os.path.exists(source):
             return None, f"tokenizer: not written, --tokenizer-model {source} of the training run is not here"
         if os.path.isdir(source):
-            copied = [f for f in _HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
+            copied = [f for f in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
             for name in copied:
                 shutil.copy2(os.path.join(source, name), os.path.join(output, name))
         else:

@@ -37,6 +37,8 @@ def sdpa_attention(q, k, v, dropout_p: float = 0.0):
 
 def cudnn_attention(q, k, v, dropout_p: float = 0.0):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return sdpa_attention(q, k, v, dropout_p)  # cuDNN's fused attention is half precision only
     if q.shape[2] != k.shape[2]:  # cuDNN's SDPA entry takes equal head counts
         repeat = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)

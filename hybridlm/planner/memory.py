@@ -13,34 +13,43 @@ Model states, by DeepSpeed's optimizer path (``engine._do_optimizer_sanity_check
                     gradient reduce bucket(s) of B fp32 (two with overlap_comm) allocated at
                     every backward; ZeRO-1 keeps the full grads 4Ψ until the reduction, ZeRO-2
                     only its partition 4Ψ/DP
-  fp32, ZeRO-3      params 4Ψ/DP plus the layers gathered at a time, master/moments 12Ψ/DP,
-                    grads 4Ψ/DP, buckets as ZeRO-2
+  fp32, ZeRO-3      params 4Ψ/DP plus the layers gathered at a time (up to the prefetch bucket),
+                    master/moments 12Ψ/DP, grads 4Ψ/DP (a flat buffer), a reduce bucket of B and
+                    the last reduce-scatter's copy; a tied embedding stays gathered (measured)
   bf16, ZeRO-0      PP = 1: DeepSpeed's fused FP16_Optimizer for bf16: params 2Ψ, grads 2Ψ,
                     fp32 master 4Ψ, moments 8Ψ, fp32 flat grads 4Ψ during the step;
                     PP > 1: BF16_Optimizer: master and moments partitioned over DP (12Ψ/DP),
                     fp32 grad accumulation 4Ψ
   bf16, ZeRO-1/2/3  as fp32 with 2-byte params and grads; master and moments stay fp32
 
-Activations are what autograd keeps per transformer layer per micro-batch (measured with
-saved-tensor hooks on this code, see benchmarks/plan_check.py), in bytes per token of the
-micro-batch, with h hidden, A = heads x head_dim, G = groups x head_dim, f the MLP width, t = TP,
-e = 2 (bf16) or 4 (fp32):
+Activations are what autograd keeps per transformer layer per micro-batch, counted with
+autograd's saved-tensor hooks on this model's layers, in bytes per token of the micro-batch, with
+h hidden, A = heads x head_dim, G = groups x head_dim, f the MLP width, t = TP, e = 2 (bf16) or 4:
 
-  2 norms           input kept in fp32 (4h; fp32 runs keep the input itself) + normalised
-                    (e h) + output, which the next linear keeps (e h; under SP the linear
-                    keeps the gathered, full-sequence input: that term does not shrink with SP)
-  attention         QKV output e(A+2G)/t (v is a view of it), rotated q and k e(A+G)/t, the
-                    projection input eA/t (+ the kernel's output eA/t where it keeps one)
-  SwiGLU MLP        fc1 output e 2f/t, silu(gate) e f/t, fc2 input e f/t
-  with SP           the norm terms (not the linear inputs) divide by t
+  2 norms           PyTorch kernel: the fp32 input (fp32 runs: the input itself) and the
+                    normalised tensor (e h); fused kernel: the input (e h). Under SP, / t
+  2 linear inputs   the norms' outputs, kept by QKV and fc1 (e h each; under SP the linears
+                    keep the gathered full-sequence input, so this term does not shrink with SP)
+  attention         the QKV output (v is a view of it), rotated q and k, the kernel's output and
+                    the projection input, as each kernel keeps them: torch SDPA as measured on a
+                    CPU e(3A+3G)/t, cuDNN e(4A+3G)/t (GQA: k, v repeated to every head, e 5A/t),
+                    flash-attn's contiguous copies e(3A+2G)/t
+  SwiGLU MLP        fc1 output e 2f/t, silu(gate) e f/t (not with the fused kernel), fc2 input e f/t
 
-Full recompute keeps only each layer's input (e h, /t with SP or partitioned activations) and
-rebuilds one layer at a time in backward (+1 layer). Selective recompute keeps attention's
-inputs and rebuilds the kernel (saves its output). The pipeline's first stage keeps
-min(PP, micro-batches) micro-batches in flight under 1F1B; the last stage adds the
-cross-entropy over the vocabulary: logits (e), an fp32 copy (bf16 runs), the shifted logits and
-their exponentials (4 + 4 bytes) per token per V/t at its peak, of which the softmax stays for
-backward. A fixed allowance covers the rest (embedding output, RoPE tables, small buffers).
+Full recompute keeps each layer's input (e h, split over TP by SP or DeepSpeed's partitioned
+activations) and rebuilds one layer at a time in backward; selective recompute rebuilds the
+attention kernel (its output is not kept). Under 1F1B the first stage has min(PP, micro-batches)
+micro-batches in flight. The last stage adds the cross-entropy over V/t of the vocabulary: at its
+peak the logits (e), their fp32 copy (bf16 runs), the shifted logits and their exponentials (4 + 4),
+of which the softmax (4) stays for backward; DeepSpeed's pipeline engine also keeps the logits
+of the current and the previous micro-batch in its output buffers.
+
+The peak is the largest of three moments of a step: the end of the last forward (all
+activations, the cross-entropy's peak), the start of backward (ZeRO-1/2 allocate their reduce
+buckets; the softmax is still kept) and the end of backward (all gradients and the step's
+temporaries, no activations). Under PP the gradients exist from the first backward on, so they
+count at every moment. Checked against measured peaks of real runs with benchmarks/plan_check.py
+(benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -107,7 +116,6 @@ class Breakdown:
     activations: float = 0.0
     logits: float = 0.0
     buffers: float = 0.0
-    overhead: float = 0.0
     total: float = 0.0
     moment: str = ""
     activations_without_recompute: float = 0.0
@@ -117,7 +125,7 @@ class Breakdown:
 
     def gib(self) -> dict:
         return {k: getattr(self, k) / GIB for k in ("parameters", "gradients", "optimizer", "activations", "logits",
-                                                     "buffers", "overhead", "total")}
+                                                     "buffers", "total")}
 
 
 # ---------------------------------------------------------------- parameters
@@ -293,14 +301,14 @@ def model_states(n: float, lay: Layout) -> States:
     else:
         s.params = 0.0 if lay.offload_params else pe * part
         s.grads_kept = s.grads_end = 4 * part  # the flat gradient partition, allocated at start-up
-        s.buffers_kept = reduce_dtype * bucket + pe * lay.prefetch_bucket  # the reduce bucket, prefetched layers
+        # the reduce bucket, and the copy of the last one reduce-scattered, kept until the next backward
+        s.buffers_kept = reduce_dtype * (bucket + min(bucket, n))
         if lay.offload_params:
             s.notes.append("parameters on the CPU between uses")
     return s
 
 
-def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: bool = False,
-             overhead_bytes: float = 0.0) -> Breakdown:
+def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: bool = False) -> Breakdown:
     """Peak bytes on the rank that needs the most. Three moments of a step are compared:
     the end of the last forward (all activations, the cross-entropy's peak), the start of
     backward (the reduce buckets appear, the softmax is still kept) and the end of backward
@@ -318,8 +326,12 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
         plain = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=None)
         last = stage == lay.pp - 1
         logits_fwd, logits_bwd = logits_bytes(cfg, lay) if last else (0.0, 0.0)
-        gathered = (2 if lay.bf16 else 4) * dense / lay.dp * (lay.dp - 1) if lay.zero == 3 and not lay.offload_params else 0
-        gathered = min(gathered, (2 if lay.bf16 else 4) * lay.prefetch_bucket * 2)
+        # ZeRO-3 gathers each layer's parameters for its forward and backward, prefetching up to
+        # stage3_prefetch_bucket_size elements ahead: a small model is gathered whole.
+        gathered = (2 if lay.bf16 else 4) * min(dense, lay.prefetch_bucket) if lay.zero == 3 else 0.0
+        if lay.zero == 3 and not cfg.untie_embeddings_and_output_weights and stage == lay.pp - 1:
+            # a tied head uses the embedding outside its module: ZeRO-3 keeps that weight gathered
+            gathered += (2 if lay.bf16 else 4) * cfg.padded_vocab_size // lay.tp * cfg.hidden_size
         # Under 1F1B a stage runs backward passes between forwards: the step's gradients are there
         # from the first backward on, and ZeRO-1/2 reduce them only once the pipeline is drained.
         grads_fwd = max(s.grads_kept, s.grads_end) if lay.pp > 1 else s.grads_kept
@@ -334,8 +346,8 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
         name, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
         b = Breakdown(parameters=s.params, gradients=max(s.grads_kept, s.grads_end), optimizer=s.optimizer,
                       activations=acts, logits=logits_fwd,
-                      buffers=s.buffers_kept + s.buffers_backward + max(gathered, s.step_extra), overhead=overhead_bytes,
-                      total=s.params + s.optimizer + overhead_bytes + sum(parts.values()),
+                      buffers=s.buffers_kept + s.buffers_backward + max(gathered, s.step_extra),
+                      total=s.params + s.optimizer + sum(parts.values()),
                       moment=name, activations_without_recompute=plain, stage=stage, params_on_rank=dense + expert,
                       notes=s.notes + [f"peak at the {name}"])
         if best is None or b.total > best.total:
