@@ -23,7 +23,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--num-query-groups", "4",
-         "--ffn-hidden-size", "2816", "--seq-length", "1024", "--micro-batch-size", "4", "--global-batch-size", "32",
+         "--ffn-hidden-size", "2816", "--seq-length", "1024", "--vocab-size", "512",  # no TP-dependent vocabulary padding
+         "--micro-batch-size", "4", "--global-batch-size", "32",
          "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "5", "--train-iters", "20", "--log-interval", "1",
          "--seed", "3"]
 # --tiny: a smoke test of this script on a CPU machine (4 gloo ranks, the tests' tiny model).

@@ -3,7 +3,9 @@
 A checkpoint is DeepSpeed's own tag folder (``global_step<N>``: model, ZeRO partitions,
 optimizer, LR schedule) plus what DeepSpeed does not keep: the iteration and consumed
 samples (client state) and every random stream of every rank (python, numpy, torch, the
-accelerator, the TP tracker), one small file per rank.
+accelerator, the TP tracker), one small file per rank. Each tag also records the layout and
+settings that saved it and every EP rank's experts, so that it can be read offline and continued
+at another layout (``hybridlm.interop``).
 
 It becomes the one ``--load`` picks only when complete: DeepSpeed's own ``latest`` file is
 written by rank 0 without waiting for the other ranks, so we pass ``save_latest=False``,
