@@ -51,23 +51,28 @@ def main() -> int:
 
     from hybridlm.config import parse_args
     from hybridlm.model.attention_backends import resolve_backend
+    from hybridlm.ops.select import DEFAULT_FUSED
     from hybridlm.planner.measure import PeakMemory
     from hybridlm.planner.memory import GIB, estimate, layout_from_run
     from hybridlm.training.trainer import prepare_config, pretrain
 
-    run_flags = list(flags)
+    run_flags, bucket_json = list(flags), None
     if args.reduce_bucket_size:
-        cfg0 = parse_args(flags)
-        run_flags += ["--deepspeed_config", _small_bucket_json(cfg0.train.deepspeed_config, args.reduce_bucket_size)]
+        bucket_json = _small_bucket_json(parse_args(flags).train.deepspeed_config, args.reduce_bucket_size)
+        run_flags += ["--deepspeed_config", bucket_json]
     cfg, ds = prepare_config(parse_args(run_flags))
     lay = layout_from_run(cfg, ds)
     backend, _ = resolve_backend(cfg.model.attention_backend, cfg.model.attention_dropout)
-    names = cfg.model.fused_op_names()  # None: "auto", every op fused on a GPU, none on a CPU
-    fused = torch.cuda.is_available() if names is None else "rmsnorm" in names
+    names = cfg.model.fused_op_names()  # None: "auto", the device's default set
+    if names is None:
+        names = DEFAULT_FUSED.get("cuda" if torch.cuda.is_available() else "cpu", ())
+    fused = "rmsnorm" in names
     predicted = estimate(cfg.model, lay, backend=backend, fused=fused)
 
     with PeakMemory() as peak:
         pretrain(run_flags)
+    if bucket_json:
+        os.unlink(bucket_json)
     peaks = [None] * dist.get_world_size()
     dist.all_gather_object(peaks, peak.bytes)
     if dist.get_rank() == 0:

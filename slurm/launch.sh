@@ -11,6 +11,7 @@
 #   preemption  #SBATCH --signal=USR1@T sends SIGUSR1 to every task T seconds before the time
 #               limit; --exit-signal-handler makes all ranks finish the step, save, and exit 75;
 #               on 75 this script runs `scontrol requeue` and the job starts again, resuming.
+#               EXIT_SIGNAL=SIGTERM suits clusters that preempt with SIGTERM and a grace time.
 # DRY_RUN=1 prints the srun command with every variable filled in instead of running it
 # (outside Slurm the node and task counts come from the preset's layout).
 # Variables the template sets: MODEL HYBRIDLM_DIR VENV RUN_DIR LAYOUT_FLAGS.
@@ -60,7 +61,7 @@ hl_train() {
     # after the first task exits, so a crashed rank cannot leave the others waiting.
     local cmd=(srun --kill-on-bad-exit=0 --wait="${TASK_EXIT_WAIT:-60}" "$HYBRIDLM_DIR/slurm/task.sh"
                python -u scripts/pretrain.py --model "$MODEL" $layout "$@"
-               --save "$RUN_DIR" --load "$RUN_DIR" --exit-signal-handler --exit-signal SIGUSR1)
+               --save "$RUN_DIR" --load "$RUN_DIR" --exit-signal-handler --exit-signal "${EXIT_SIGNAL:-SIGUSR1}")
     echo "hybridlm: job ${SLURM_JOB_ID:-<dry run>} (restart ${SLURM_RESTART_COUNT:-0}) on $NODES node(s) x" \
          "$TASKS_PER_NODE task(s), rendezvous $MASTER_ADDR:$MASTER_PORT, run directory $RUN_DIR"
     if [ -n "${DRY_RUN:-}" ]; then

@@ -78,7 +78,7 @@ def test_every_preset_layout_fits_its_gpus():
         planned = estimate(cfg, Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=lay.ep, zero=lay.zero,
                                        sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                                        micro_batch_size=lay.micro_batch_size, grad_accum=gbs // (lay.micro_batch_size * lay.dp),
-                                       bf16=lay.bf16), backend="cudnn", fused=True)
+                                       bf16=lay.bf16), backend="cudnn", fused=False)  # fits without the fused kernels too
         needed = planned.total * (1 + FRAGMENTATION) / 2**30 + RESERVED_GIB
         assert needed <= lay.gpu_memory_gib, f"{name}: the preset's layout needs {needed:.1f} GiB of {lay.gpu_memory_gib}"
 

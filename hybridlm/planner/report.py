@@ -5,16 +5,15 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from typing import Optional
-
 from dataclasses import replace
+from typing import Optional
 
 from ..config import ConfigError, parse_args
 from ..config import build_parser as build_run_parser
 from ..presets import LAYOUTS, MODELS
 from ..training.ds_config import read_ds_config
 from .memory import GIB, Layout, ds_settings, total_parameters
-from .search import RESERVED_GIB, FRAGMENTATION, Cluster, Plan, plan, pretrain_flags, recommend
+from .search import FRAGMENTATION, RESERVED_GIB, Cluster, Plan, plan, pretrain_flags, recommend
 
 COLUMNS = ("layout", "params", "grads", "optim", "act", "act+rc", "logits", "buffers", "total", "need", "fits", "step s")
 
@@ -33,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp32", action="store_true", help="plan fp32 training instead of bf16")
     parser.add_argument("--attention-backend", default="cudnn", choices=("cudnn", "flash", "te", "sdpa"),
                         help="the kernel the run will use (default cudnn: what auto picks on Hopper without flash-attn)")
-    parser.add_argument("--no-fused-ops", action="store_true", help="plan the PyTorch norm/SwiGLU (the fused kernels keep less)")
+    parser.add_argument("--fused-ops", action="store_true",
+                        help="plan the fused RMSNorm/SwiGLU kernels (pretrain --fused-ops all; they keep less than "
+                             "PyTorch's, which --fused-ops auto runs on GPUs and CPUs)")
     parser.add_argument("--allow-offload", action="store_true", help="also consider CPU offload (ZeRO-1/3)")
     parser.add_argument("--allow-ep", action="store_true",
                         help="MoE: also consider expert parallelism (the trainer cannot --save/--load with EP > 1 yet)")
@@ -121,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory)
     plans = plan(cfg, cluster, micro_batch_size=mbs, global_batch_size=gbs, bf16=not args.fp32,
-                 backend=args.attention_backend, fused=not args.no_fused_ops, allow_offload=args.allow_offload,
+                 backend=args.attention_backend, fused=args.fused_ops, allow_offload=args.allow_offload,
                  allow_ep=args.allow_ep or "expert_model_parallel_size" in typed, constrain=constrain)
     if not plans:
         print(f"error: no layout of {args.model} divides {args.gpus} GPUs with global batch {gbs} and micro-batch {mbs}"
@@ -137,7 +138,8 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"layout's recompute; need = total x {1 + FRAGMENTATION:.2f} + {RESERVED_GIB:g}; step s = the coarse time model "
           f"(hybridlm/planner/search.py). {len(fitting)} of {len(plans)} layouts fit.\n")
     shown = plans[:args.top]
-    preset_row = next((p for p in plans if suggested and _same(p.layout, suggested)), None)
+    same_cluster = suggested is not None and suggested.world_size == args.gpus
+    preset_row = next((p for p in plans if same_cluster and _same(p.layout, suggested)), None)
     rows = [list(COLUMNS)] + [_row(p, "* " if p is preset_row else "") for p in shown]
     if preset_row is not None and preset_row not in shown:
         rows.append(_row(preset_row, "* "))

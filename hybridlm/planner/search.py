@@ -23,7 +23,7 @@ predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/
               gathers (x 1.5) and waits on them
   offload     optimizer states over PCIe and the CPU's Adam: 16 bytes per parameter at 10 GB/s
 
-So at equal memory it prefers less TP, fewer bubbles and less recompute, as the brief asks.
+At equal memory it thus prefers less TP, fewer pipeline bubbles and less recompute.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int, bf16: bool = True,
-         backend: str = "cudnn", fused: bool = True, allow_offload: bool = False, allow_ep: bool = False,
+         backend: str = "cudnn", fused: bool = False, allow_offload: bool = False, allow_ep: bool = False,
          constrain: Optional[Callable[[Layout], Optional[Layout]]] = None) -> list[Plan]:
     """Every candidate with its memory and step time, the fitting ones first, fastest first.
     ``constrain`` maps a candidate to the layout to plan (e.g. with a JSON's bucket sizes) or
