@@ -28,7 +28,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 from ..config import ConfigError
 from ..interop.experts import load_expert_weights, save_expert_weights
-from ..interop.layout import Layout, write_info
+from ..interop.layout import Layout, atomic_write_text, write_info
 from ..interop.reshape import check_loadable, load_resharded, needs_reshape
 
 LATEST = "latest"
@@ -63,15 +63,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     get_accelerator().set_rng_state(state["accelerator"])
     ds_checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -111,7 +102,7 @@ def save(engine, directory: str, *, iteration: int, client_state: dict, keep_las
             write_info(os.path.join(directory, tag), cfg, iteration, expert_files=cfg.model.num_experts is not None)
     dist.barrier()  # every rank has written every file of this tag
     if dist.get_rank() == 0:
-        _atomic_write_text(os.path.join(directory, LATEST), tag)
+        atomic_write_text(os.path.join(directory, LATEST), tag)
         if keep_last:
             prune(directory, keep_last)
     dist.barrier()
