@@ -96,3 +96,21 @@ def test_full_recompute_marks_first_layers_of_each_stage():
     assert apply_recompute(model, 3) == 3
     flags = [m.recompute for m in model.forward_funcs if hasattr(m, "recompute")]
     assert flags == [True, True, True, False]
+
+
+def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
+    # The oracle shows compiled layers compute the eager function; this shows they really are compiled.
+    import torch._dynamo.utils as dynamo_utils
+
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.specs import build_model, compile_layers
+    from hybridlm.parallel.plan import ParallelPlan
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16)
+    cfg.padded_vocab_size = 256
+    model = build_model(cfg, ParallelPlan())
+    assert compile_layers(model) == 3
+    tokens = torch.randint(0, 256, (2, 16))
+    model(tokens, tokens).backward()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])

@@ -127,9 +127,9 @@ def resolve_backend(name: str, attention_dropout: float = 0.0) -> tuple[str, str
         if name == "flash" and attention_dropout and _flash_function()[1] == "4":
             raise ValueError("--attention-backend flash (flash-attn-4) has no attention dropout; use cudnn or --attention-dropout 0.")
         return name, "requested"
-    flash_ok = _available("flash")[0] and not (attention_dropout and _flash_function()[1] == "4")
-    if flash_ok:
-        return "flash", f"auto: flash-attn {_flash_function()[1]} is installed"
+    flash, version = _flash_function() if torch.cuda.is_available() else (None, "")
+    if flash is not None and not (attention_dropout and version == "4"):
+        return "flash", f"auto: flash-attn {version} is installed"
     if _available("cudnn")[0] and torch.cuda.get_device_capability() >= (9, 0):
         return "cudnn", "auto: no flash-attn; cuDNN fused attention on a Hopper-class GPU"
     return "sdpa", "auto: no flash-attn and no Hopper GPU"

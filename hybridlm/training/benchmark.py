@@ -48,7 +48,6 @@ def run_baselines(args, extra: list[str]) -> dict:
     for name in (n.strip() for n in args.baselines.split(",") if n.strip()):
         result = run_baseline(name, shape)
         result["mfu"] = result["tokens_per_sec_per_gpu"] * flops_per_token(cfg.model) / 1e12 / peak_tflops(None)
-        print(f"BASELINE {name}: {result['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu", flush=True)
         results[name] = result
     return results
 
