@@ -64,8 +64,6 @@ CASES = [
     pytest.param(2, ["--num-query-groups", "3", "--num-attention-heads", "6", "--hidden-size", "48",
                      "--tensor-model-parallel-size", "2"] + ds_config("zero1"),
                  "--num-query-groups 3 is not divisible by --tensor-model-parallel-size 2", id="groups_not_divisible_by_tp"),
-    pytest.param(2, ["--tensor-model-parallel-size", "2", "--torch-compile"] + ds_config("zero1"),
-                 "--torch-compile cannot be combined with --tensor-model-parallel-size 2", id="compile_with_tp"),
 ]
 
 

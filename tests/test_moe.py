@@ -236,6 +236,8 @@ def test_mixtral_8x7b_preset_counts_its_active_parameters():
                  "--expert-model-parallel-size 4 does not divide the data-parallel size 2", id="ep_not_dividing_dp"),
     pytest.param(2, EP2, "--expert-model-parallel-size 2 needs --num-experts", id="ep_without_experts"),
     pytest.param(2, ["--num-experts", "4"] + ds_config("zero3"), "--num-experts cannot be combined with ZeRO stage 3", id="zero3"),
+    pytest.param(2, ["--num-experts", "4", "--torch-compile"] + EP2,
+                 "--torch-compile cannot be combined with --expert-model-parallel-size 2", id="compile_with_ep"),
 ])
 def test_bad_moe_input_is_one_sentence_and_exit_2_on_every_rank(world, flags, sentence):
     for rank, (code, stderr, _) in enumerate(run_ranks(world, _main_on_rank, TINY + ds_config("zero1") + flags, timeout=60)):

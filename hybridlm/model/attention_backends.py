@@ -64,9 +64,12 @@ def _flash_function() -> tuple[Optional[Callable], str]:
 def make_flash_attention() -> Callable:
     fn, version = _flash_function()
 
+    # Outside compiled graphs: flash-attn-4's CuTe kernels are not traceable by dynamo (the
+    # layer's graph breaks around this call). Both versions take [b, s, h, d] views with any
+    # aligned strides and copy only when they must, so no transpose is materialised here.
+    @torch.compiler.disable
     def flash_attention(q, k, v, dropout_p: float = 0.0):
-        # flash-attn wants [b, s, h, d] with a contiguous head dimension
-        q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if version == "2":
             out = fn(q, k, v, dropout_p=dropout_p, causal=True)
         else:

@@ -170,6 +170,11 @@ class TransformerLayer(nn.Module):
         x = x + self._residual_dropout(self.attention(self.input_norm(x)))
         return x + self._residual_dropout(self.mlp(self.post_attention_norm(x)))
 
+    def compile_body(self, backend="inductor") -> None:
+        """torch.compile the layer's computation, leaving ``layer_context`` (Transformer
+        Engine's FP8 autocast, which dynamo cannot trace) and recompute outside the graph."""
+        self._forward = torch.compile(self._forward, backend=backend)
+
     def forward(self, x):
         with self.plan.layer_context():
             if self.recompute and self.training:

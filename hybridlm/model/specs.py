@@ -82,12 +82,13 @@ def apply_recompute(model: nn.Module, num_layers: int | None) -> int:
     return len(chosen)
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, backend="inductor") -> int:
     """torch.compile this rank's transformer layers in place (parameter names unchanged).
 
-    All layers share one graph: dynamo treats module parameters as inputs, so the compile
-    happens once per distinct layer shape, not once per layer."""
+    All layers share their graphs: dynamo treats module parameters as inputs, so the
+    compile happens once per distinct layer shape, not once per layer. Under TP each layer
+    is several graphs, split at the collectives (which run eagerly: ``parallel.sequence``)."""
     blocks = [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
     for block in blocks:
-        block.compile()
+        block.compile_body(backend)
     return len(blocks)

@@ -88,16 +88,38 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.tp), None
 
 
+# Under ``--torch-compile`` dynamo would trace the in-place c10d calls of these Functions'
+# forward and backward into functional collectives; on NCCL the compiled backward then gave
+# wrong gradients (tests/test_gpu.py) that gloo, which completes every collective before
+# returning, never showed. ``torch.compiler.disable`` breaks the graph at each crossing, so
+# each collective runs exactly as in eager mode and the code between them still compiles.
+# The public functions return early with one rank, so TP=1 graphs stay whole.
+
+@torch.compiler.disable
+def _scatter_fn(x, tp):
+    return _ScatterToSequence.apply(x, tp)
+
+
+@torch.compiler.disable
+def _gather_fn(x, tp):
+    return _GatherFromSequence.apply(x, tp)
+
+
+@torch.compiler.disable
+def _reduce_scatter_fn(x, tp):
+    return _ReduceScatterToSequence.apply(x, tp)
+
+
 def scatter_to_sequence(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    return x if tp.size == 1 else _ScatterToSequence.apply(x, tp)
+    return x if tp.size == 1 else _scatter_fn(x, tp)
 
 
 def gather_from_sequence(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    return x if tp.size == 1 else _GatherFromSequence.apply(x, tp)
+    return x if tp.size == 1 else _gather_fn(x, tp)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    return x if tp.size == 1 else _ReduceScatterToSequence.apply(x, tp)
+    return x if tp.size == 1 else _reduce_scatter_fn(x, tp)
 
 
 def sum_grad_over_tp(param: torch.nn.Parameter, tp: GroupHandle) -> None:

@@ -91,12 +91,23 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+# Outside compiled graphs, as the sequence-parallel crossings are (see ``.sequence``).
+@torch.compiler.disable
+def _copy(x, tp):
+    return _CopyToTensorParallel.apply(x, tp)
+
+
+@torch.compiler.disable
+def _reduce(x, tp):
+    return _ReduceFromTensorParallel.apply(x, tp)
+
+
 def copy_to_tensor_parallel(x, tp: GroupHandle):
-    return x if tp.size == 1 else _CopyToTensorParallel.apply(x, tp)
+    return x if tp.size == 1 else _copy(x, tp)
 
 
 def reduce_from_tensor_parallel(x, tp: GroupHandle):
-    return x if tp.size == 1 else _ReduceFromTensorParallel.apply(x, tp)
+    return x if tp.size == 1 else _reduce(x, tp)
 
 
 class ColumnParallelLinear(nn.Module):
