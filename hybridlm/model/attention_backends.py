@@ -7,7 +7,8 @@ copy on the others) and returns [s, b, heads, d].
   sdpa   torch's scaled_dot_product_attention, whichever kernel torch picks (CPU: math)
   cudnn  the same call pinned to cuDNN's fused attention (Hopper: ~1.8x torch's default
          flash kernel on fwd+bwd at B4 H16 S4096 D128)
-  flash  flash-attn: the 2.x ``flash_attn_func`` or flash-attn-4's CuTe kernels
+  flash  flash-attn: the 2.x ``flash_attn_func`` or flash-attn-4's CuTe kernels (SDPA in fp32,
+         as cudnn)
   te     Transformer Engine's DotProductAttention (takes the [s, b, h, d] layout as is)
 
 ``auto`` picks flash-attn when importable, else cuDNN on a Hopper-or-newer GPU, else sdpa.
@@ -69,6 +70,8 @@ def make_flash_attention() -> Callable:
     # aligned strides and copy only when they must, so no transpose is materialised here.
     @torch.compiler.disable
     def flash_attention(q, k, v, dropout_p: float = 0.0):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return sdpa_attention(q, k, v, dropout_p)  # flash-attn kernels are half precision only
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if version == "2":
             out = fn(q, k, v, dropout_p=dropout_p, causal=True)
