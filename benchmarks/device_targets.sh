@@ -6,6 +6,7 @@
 #              flash-attn-4 beside the baselines, batch/ZeRO variants, TE FP8 + compile, the largest
 #              models with and without CPU offload
 #   multi      2-GPU correctness tests in two pairs, then the 7B shape at TP=2 SP x DP=2 compiled
+#   final      the fixes after multi (see below)
 # From the repo root:  bash benchmarks/device_targets.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
@@ -89,6 +90,26 @@ if [ "$what" = multi ]; then
       --label "TP=2 SP x DP=2, ZeRO-1, bf16, gbs 16, --torch-compile (collectives outside the graphs)" -- \
       --bf16 --tensor-model-parallel-size 2 --sequence-parallel --global-batch-size 16 \
       --deepspeed_config ds_configs/zero1.json --torch-compile --profile-step-range 10,11 --profile-dir "$OUT/prof/7b_tp2"
+fi
+
+# After the first three: fp32 compiled tests with flash-attn's SDPA fallback, FP8 + compile tests, the
+# largest model without offload at 32/33 layers, and the 7B TP=2 at micro-batch 2 (half the per-step
+# host work of the graph breaks per token).
+if [ "$what" = final ]; then
+  ( gpu_tests test_gpu_compile 0,1 330 "torch_compile_on_two_gpus" > "$OUT/pair0.txt" 2>&1 ) &
+  ( gpu_tests test_gpu_fp8 2 330 "fp8" > "$OUT/pair1.txt" 2>&1 ) &
+  ( for layers in 32 33; do
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench nooffload_L$layers 3 29563 160 --model llama2-7b --steps 3 --warmup 1 \
+          --label "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, $layers layers" -- \
+          --num-layers $layers --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 \
+          --recompute-granularity full --deepspeed_config ds_configs/zero2.json
+    done > "$OUT/lane3.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/pair*.txt "$OUT/lane3.txt"
+  bench 7b_tp2_dp2_mb2_compile 0,1,2,3 29571 280 --model llama2-7b --steps 6 --warmup 3 \
+      --label "TP=2 SP x DP=2, ZeRO-1, bf16, mb 2, gbs 16, --torch-compile (collectives outside the graphs)" -- \
+      --bf16 --tensor-model-parallel-size 2 --sequence-parallel --micro-batch-size 2 --global-batch-size 16 \
+      --deepspeed_config ds_configs/zero1.json --torch-compile --profile-step-range 8,9 --profile-dir "$OUT/prof/7b_tp2_mb2"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
