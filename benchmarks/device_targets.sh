@@ -112,6 +112,23 @@ if [ "$what" = final ]; then
       --deepspeed_config ds_configs/zero1.json --torch-compile --profile-step-range 8,9 --profile-dir "$OUT/prof/7b_tp2_mb2"
 fi
 
+# Model size bounds on one H200: without offload (7B at 32 layers did not fit: DeepSpeed's fp32
+# gradient buffer on top of 113 GiB), and a ~19B shape with CPU offload (13B trained).
+if [ "$what" = sizes ]; then
+  ( for layers in 28 30; do
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench nooffload_L$layers 0 29580 160 --model llama2-7b --steps 3 --warmup 1 \
+          --label "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, $layers layers" -- \
+          --num-layers $layers --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 \
+          --recompute-granularity full --deepspeed_config ds_configs/zero2.json
+    done > "$OUT/lane0.txt" 2>&1 ) &
+  ( bench offload_19b 1 29581 500 --model llama2-13b --steps 2 --warmup 1 \
+      --label "1 GPU, ZeRO-3 + CPU offload (params and optimizer), full recompute, seq 2048, mb 1, 60 layers" -- \
+      --num-layers 60 --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 --recompute-granularity full \
+      --deepspeed_config ds_configs/zero3_offload_cpu.json > "$OUT/lane1.txt" 2>&1; free -g | head -2 >> "$OUT/lane1.txt" ) &
+  wait
+  cat "$OUT"/lane*.txt
+fi
+
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
 cat "$OUT"/rows_*.md > "$OUT/rows.md" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs prof && rm -rf "$OUT/logs" "$OUT/prof" "$OUT"/rows_*.md
