@@ -129,6 +129,19 @@ if [ "$what" = sizes ]; then
   cat "$OUT"/lane*.txt
 fi
 
+# Transformer Engine's LayerNormLinear fusion (norm into the QKV / fc1 GEMMs): the TE tests, and the
+# reference model with TE FP8 eager and compiled.
+if [ "$what" = te_fused ]; then
+  ( gpu_tests test_gpu_te_local 0 300 "transformer_engine_linears_track" > "$OUT/pair0.txt" 2>&1 ) &
+  ( gpu_tests test_gpu_te_tp2 2,3 300 "transformer_engine_linears_under_tp2" > "$OUT/pair1.txt" 2>&1 ) &
+  ( gpu_tests test_gpu_fp8 1 300 "fp8 and hybrid_delayed and not compiled" > "$OUT/pair2.txt" 2>&1
+    bench ref_te_fp8_fused 1 29590 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 hybrid delayed, norms fused (LayerNormLinear)" -- \
+        --bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid \
+        > "$OUT/lane1.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/pair*.txt "$OUT"/lane1.txt
+fi
+
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
 cat "$OUT"/rows_*.md > "$OUT/rows.md" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs prof && rm -rf "$OUT/logs" "$OUT/prof" "$OUT"/rows_*.md

@@ -84,11 +84,14 @@ def test_transformer_engine_linears_track_the_local_ones_in_bf16(tmp_path, compi
 
 @has_te
 @two_gpus
-def test_transformer_engine_linears_under_tp2_sp_track_one_gpu(tmp_path):
+@pytest.mark.parametrize("sp", [["--sequence-parallel"], []], ids=["sp", "no_sp"])
+def test_transformer_engine_linears_under_tp2_track_one_gpu(tmp_path, sp):
+    # Without SP the norms fuse into the QKV and fc1 GEMMs (TE LayerNormLinear) and their
+    # gradients are summed over TP; with SP the all-gather sits between norm and GEMM.
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
              "--log-interval", "1", "--transformer-impl", "transformer_engine"]
     one = _launch(1, flags, tmp_path / "one.jsonl")
-    two = _launch(2, flags + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], tmp_path / "two.jsonl")
+    two = _launch(2, flags + ["--tensor-model-parallel-size", "2", *sp], tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 2e-2 * abs(a), f"step {step}: TP=2 TE loss {b} vs 1 GPU {a}"
 

@@ -152,3 +152,46 @@ def test_compiled_layers_under_tp_keep_every_collective_out_of_the_graphs():
     assert any("linear" in target for graph in graphs for target in graph), "no matmul was compiled"
     collectives = [t for graph in graphs for t in graph if any(word in t for word in ("all_gather", "reduce_scatter", "all_reduce", "c10d"))]
     assert not collectives, collectives
+
+
+def _norm_fused_into_linears_vs_separate(flags: list[str]) -> dict:
+    """Loss and gradients of one micro-batch, with the norms applied separately and with each
+    fused into the column linear after it (a PyTorch stand-in for TE's LayerNormLinear)."""
+    import torch.distributed as dist
+
+    from hybridlm.config import parse_args
+    from hybridlm.model.specs import build_model
+    from hybridlm.model.weights import init_parameters
+    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.state import GroupHandle
+    from hybridlm.training.trainer import prepare_config
+    dist.init_process_group("gloo")
+    cfg, _ = prepare_config(parse_args(flags))
+    tp = GroupHandle(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+
+    def norm_then_linear(norm, weight, bias):
+        return lambda x: F.linear(norm(x), weight, bias)
+
+    tokens = torch.randint(0, cfg.model.padded_vocab_size, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name, factory in (("separate", None), ("fused", norm_then_linear)):
+        model = build_model(cfg.model, ParallelPlan(tp, local_norm_matmul=factory))
+        init_parameters(model, 1234, tp)
+        loss = model(tokens, tokens)
+        loss.backward()
+        owners = [m for m in model.modules() if getattr(m, "owns_norm", False)]
+        results[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(owners))
+    dist.destroy_process_group()
+    return results
+
+
+def test_a_norm_fused_into_the_next_linear_computes_the_same_loss_and_gradients_under_tp():
+    # Under TP each rank back-propagates only its columns into a fused norm: its gradient must be
+    # summed over TP (the un-fused norm sees the already-summed input gradient).
+    results = run_ranks(2, _norm_fused_into_linears_vs_separate, TINY + ["--tensor-model-parallel-size", "2"] + ds_config("zero0"))
+    for rank, result in enumerate(results):
+        (loss, grads, _), (fused_loss, fused_grads, owners) = result["separate"], result["fused"]
+        assert owners == 2 * 4, f"rank {rank}: {owners} linears own their norm (expected QKV and fc1 in 4 layers)"
+        assert abs(loss - fused_loss) < 1e-6, (loss, fused_loss)
+        for name, grad in grads.items():
+            assert torch.allclose(fused_grads[name], grad, rtol=1e-5, atol=1e-7), name

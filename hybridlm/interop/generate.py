@@ -106,8 +106,8 @@ class Generator:
     def forward_step(self, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         x = self._embed(tokens, start)
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(layer, layer.input_norm(x), cache, index, start)
-            x = x + layer.mlp(layer.post_attention_norm(x))
+            x = x + self._attention(layer, layer.attention_input(x), cache, index, start)
+            x = x + layer.mlp(layer.mlp_input(x))
         return self._logits(x)
 
     # ---- decoding

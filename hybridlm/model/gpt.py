@@ -72,12 +72,14 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool):
+    """``input_norm``: the norm before it, offered to the QKV linear to fuse (``qkv.owns_norm``)."""
+
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool, input_norm: nn.Module | None = None):
         super().__init__()
         self.plan, self.head_dim = plan, cfg.kv_channels
         q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
         self.qkv = plan.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-                                      init_std=cfg.init_method_std)
+                                      init_std=cfg.init_method_std, input_norm=input_norm)
         self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
@@ -114,12 +116,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, ffn_hidden_size: int | None = None):
+    """``input_norm``: the norm before it, offered to fc1 to fuse (``fc1.owns_norm``)."""
+
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, ffn_hidden_size: int | None = None, input_norm: nn.Module | None = None):
         super().__init__()
         self.swiglu = plan.kernels.swiglu if cfg.swiglu else None  # [gate | up] -> silu(gate) * up
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
         blocks = [ffn] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
-        self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std)
+        self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std,
+                                      input_norm=input_norm)
         self.fc2 = plan.row_linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear,
                                    init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
 
@@ -154,11 +159,23 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.plan = plan
         self.input_norm = make_norm(cfg, plan)
-        self.attention = Attention(cfg, plan, selective_recompute=selective_recompute)
+        self.attention = Attention(cfg, plan, selective_recompute=selective_recompute, input_norm=self.input_norm)
         self.post_attention_norm = make_norm(cfg, plan)
-        self.mlp = MoEMLP(cfg, plan, layer_number) if cfg.is_moe_layer(layer_number) else MLP(cfg, plan)
+        if cfg.is_moe_layer(layer_number):  # the router reads the normalised input too: no fusion
+            self.mlp = MoEMLP(cfg, plan, layer_number)
+        else:
+            self.mlp = MLP(cfg, plan, input_norm=self.post_attention_norm)
         self.dropout = cfg.hidden_dropout
         self.recompute = False
+
+    def attention_input(self, x):
+        """What the attention block takes: the normalised residual, or the residual itself when
+        its QKV linear fused the norm (Transformer Engine's LayerNormLinear)."""
+        return x if self.attention.qkv.owns_norm else self.input_norm(x)
+
+    def mlp_input(self, x):
+        fused = isinstance(self.mlp, MLP) and self.mlp.fc1.owns_norm
+        return x if fused else self.post_attention_norm(x)
 
     def _residual_dropout(self, x):
         if not (self.dropout and self.training):
@@ -167,8 +184,8 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout)
 
     def _forward(self, x):
-        x = x + self._residual_dropout(self.attention(self.input_norm(x)))
-        return x + self._residual_dropout(self.mlp(self.post_attention_norm(x)))
+        x = x + self._residual_dropout(self.attention(self.attention_input(x)))
+        return x + self._residual_dropout(self.mlp(self.mlp_input(x)))
 
     def compile_body(self, backend="inductor") -> None:
         """torch.compile the layer's computation, leaving ``layer_context`` (Transformer

@@ -42,6 +42,38 @@ class TELocalMatmul:
         return self.linear(x)
 
 
+class TELocalNormMatmul:
+    """y = norm(x) W^T (+ b) through ``transformer_engine.pytorch.LayerNormLinear``: the norm and
+    the GEMM's input cast (FP8 under autocast) in one kernel, on the caller's parameters.
+
+    Used where a column-parallel linear directly follows a norm on the full sequence (QKV and a
+    dense MLP's first linear, without sequence parallelism: with SP an all-gather sits between
+    the two). The norm module stays registered where it was (its parameter names and
+    checkpoints are unchanged); this object only reads its weight and epsilon."""
+
+    def __init__(self, norm: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]):
+        import transformer_engine.pytorch as te
+        out_features, in_features = weight.shape
+        layer_norm = isinstance(norm, nn.LayerNorm)
+        eps = norm.eps if isinstance(norm.eps, float) else float(norm.eps)
+        fused = te.LayerNormLinear(in_features, out_features, eps=eps, bias=bias is not None,
+                                   normalization="LayerNorm" if layer_norm else "RMSNorm",
+                                   params_dtype=weight.dtype, device=weight.device)
+        del fused.weight, fused.layer_norm_weight
+        fused.weight, fused.layer_norm_weight = weight, norm.weight
+        if bias is not None:
+            del fused.bias
+            fused.bias = bias
+        if layer_norm:
+            del fused.layer_norm_bias
+            fused.layer_norm_bias = norm.bias
+        self.fused = fused
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)
+
+
 def fp8_recipe(cfg: ModelConfig):
     """TE's recipe object for ``--fp8-format``/``--fp8-recipe``, or None without FP8."""
     if not cfg.fp8_format:

@@ -26,24 +26,29 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
                  sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
-                 local_matmul: Callable | None = None, layer_context: Callable = contextlib.nullcontext,
-                 kernels: Kernels | None = None):
+                 local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
+                 layer_context: Callable = contextlib.nullcontext, kernels: Kernels | None = None):
         """``local_matmul``: a factory (weight, bias) -> callable replacing the linears' rank-local
-        GEMM (Transformer Engine's); ``layer_context``: what each transformer layer's forward
+        GEMM (Transformer Engine's); ``local_norm_matmul``: a factory (norm, weight, bias) fusing a
+        norm into the column linear after it (TE's LayerNormLinear); ``layer_context``: what each transformer layer's forward
         runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
         (``hybridlm.ops.select_kernels``; default: the PyTorch definitions)."""
         self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
-        self.local_matmul, self.layer_context = local_matmul, layer_context
+        self.local_matmul, self.local_norm_matmul, self.layer_context = local_matmul, local_norm_matmul, layer_context
         self.kernels = kernels or reference_kernels()
         self.compiled_loss = None
 
     # ---- layers
-    def column_linear(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, init_std: float) -> ColumnParallelLinear:
+    def column_linear(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, init_std: float,
+                      input_norm: nn.Module | None = None) -> ColumnParallelLinear:
+        """``input_norm``: the norm applied to this linear's input, which the linear may fuse
+        (then ``.owns_norm`` is True and the caller skips the norm)."""
         return ColumnParallelLinear(input_size, output_sizes, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
-                                    init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul)
+                                    init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul,
+                                    input_norm=input_norm, local_norm_matmul=self.local_norm_matmul)
 
     def row_linear(self, input_size: int, output_size: int, *, bias: bool, init_std: float) -> RowParallelLinear:
         return RowParallelLinear(input_size, output_size, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,

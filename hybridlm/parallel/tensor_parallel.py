@@ -115,6 +115,10 @@ class ColumnParallelLinear(nn.Module):
 
     ``local_matmul`` (a factory taking the weight and bias) swaps the rank-local matmul for
     another library's (Transformer Engine's, for FP8) while the communication stays here.
+    ``input_norm`` with ``local_norm_matmul`` (a factory taking the norm, weight and bias)
+    fuses the norm that precedes this linear into its GEMM (TE's LayerNormLinear); then
+    ``owns_norm`` is True and the caller passes the un-normalised input. Without sequence
+    parallelism only: under SP the all-gather comes between norm and GEMM.
 
     ``output_sizes`` lists stacked blocks (e.g. [q, k, v]); ``local_sizes`` says how wide
     each block is on this rank, so a caller can split the output without knowing TP.
@@ -122,7 +126,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], tp: GroupHandle, *, bias: bool,
-                 sequence_parallel: bool, init_std: float, device=None, dtype=None, local_matmul=None):
+                 sequence_parallel: bool, init_std: float, device=None, dtype=None, local_matmul=None,
+                 input_norm: nn.Module | None = None, local_norm_matmul=None):
         super().__init__()
         for size in output_sizes:
             if size % tp.size:
@@ -133,7 +138,15 @@ class ColumnParallelLinear(nn.Module):
         sharding = Sharding(0, self.output_sizes)
         self.weight = tag_parameter(nn.Parameter(torch.empty(sum(self.local_sizes), input_size, device=device, dtype=dtype)), sharding, init_std)
         self.bias = tag_parameter(nn.Parameter(torch.empty(sum(self.local_sizes), device=device, dtype=dtype)), sharding, None, 0.0) if bias else None
-        self.local_matmul = local_matmul(self.weight, self.bias) if local_matmul else None
+        self.owns_norm = input_norm is not None and local_norm_matmul is not None and not sequence_parallel
+        if self.owns_norm:
+            self.local_matmul = local_norm_matmul(input_norm, self.weight, self.bias)
+            for param in input_norm.parameters():
+                # each TP rank back-propagates only its output columns into the fused norm,
+                # so the norm's gradients are partial sums (the input's are summed by the copy)
+                sum_grad_over_tp(param, tp)
+        else:
+            self.local_matmul = local_matmul(self.weight, self.bias) if local_matmul else None
 
     def forward(self, x):
         if self.local_matmul is not None:

@@ -28,7 +28,7 @@ from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import resolve_backend
 from ..model.specs import apply_recompute, build_model, compile_layers
-from ..model.transformer_engine import TELocalMatmul, fp8_context, fp8_recipe
+from ..model.transformer_engine import TELocalMatmul, TELocalNormMatmul, fp8_context, fp8_recipe
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.moe import set_aux_loss_scale
@@ -122,7 +122,8 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     te = cfg.model.transformer_impl == "transformer_engine"
     recipe = fp8_recipe(cfg.model)
     plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device(),
-                        local_matmul=TELocalMatmul if te else None, layer_context=lambda: fp8_context(recipe),
+                        local_matmul=TELocalMatmul if te else None, local_norm_matmul=TELocalNormMatmul if te else None,
+                        layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
