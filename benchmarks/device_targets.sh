@@ -142,6 +142,17 @@ if [ "$what" = te_fused ]; then
   cat "$OUT"/pair*.txt "$OUT"/lane1.txt
 fi
 
+# The same on a 2-GPU host (when no 4-GPU one is lent), fewer cases.
+if [ "$what" = te_fused_x2 ]; then
+  gpu_tests test_gpu_te_tp2 0,1 200 "transformer_engine_linears_under_tp2 and no_sp"
+  ( gpu_tests test_gpu_te_local 0 200 "transformer_engine_linears_track and eager" > "$OUT/pair0.txt" 2>&1 ) &
+  ( bench ref_te_fp8_fused 1 29590 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 hybrid delayed, norms fused (LayerNormLinear)" -- \
+        --bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid \
+        > "$OUT/lane1.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/pair*.txt "$OUT"/lane1.txt
+fi
+
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
 cat "$OUT"/rows_*.md > "$OUT/rows.md" 2>/dev/null
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs prof && rm -rf "$OUT/logs" "$OUT/prof" "$OUT"/rows_*.md
