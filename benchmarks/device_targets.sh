@@ -6,7 +6,7 @@
 #              flash-attn-4 beside the baselines, batch/ZeRO variants, TE FP8 + compile, the largest
 #              models with and without CPU offload
 #   multi      2-GPU correctness tests in two pairs, then the 7B shape at TP=2 SP x DP=2 compiled
-#   final      the fixes after multi (see below)
+#   final      the fixes after multi (see below); sizes, te_fused(_x2), te_fused_compile: later rounds
 # From the repo root:  bash benchmarks/device_targets.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
@@ -151,6 +151,18 @@ if [ "$what" = te_fused_x2 ]; then
         > "$OUT/lane1.txt" 2>&1 ) &
   wait
   cat "$OUT"/pair*.txt "$OUT"/lane1.txt
+fi
+
+# TE FP8 with fused norms, compiled and eager, side by side on a 2-GPU host; then the compiled TE test.
+if [ "$what" = te_fused_compile ]; then
+  FP8=(--bf16 --global-batch-size 64 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid)
+  ( bench ref_te_fp8_fused_compile 0 29600 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, norms fused, --torch-compile" -- \
+        "${FP8[@]}" --torch-compile > "$OUT/lane0.txt" 2>&1 ) &
+  ( bench ref_te_fp8_fused_gbs64 1 29601 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, norms fused" -- \
+        "${FP8[@]}" > "$OUT/lane1.txt" 2>&1 ) &
+  wait
+  cat "$OUT"/lane*.txt
+  gpu_tests test_gpu_te_compiled 0 150 "transformer_engine_linears_track and compiled"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
