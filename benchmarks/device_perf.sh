@@ -14,15 +14,7 @@ python3 -c "import torch, deepspeed; print('torch', torch.__version__, 'deepspee
 
 REF=(--model reference --steps 20 --warmup 6)
 GBS32=(--bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json)
-bench() {  # name gpus(include list) port timeout args...
-  local name=$1 gpus=$2 port=$3 limit=$4; shift 4
-  timeout "$limit" deepspeed --include "localhost:$gpus" --master_port "$port" scripts/benchmark.py \
-      --results-file "$OUT/rows_$name.md" "$@" > "$OUT/logs/$name.log" 2>&1
-  local rc=$?
-  echo "[$name] rc=$rc $(grep -h -E '^(BENCH|BASELINE)' "$OUT/logs/$name.log" | tr '\n' ' ')"
-  [ $rc -ne 0 ] && grep -h -E 'Error|error:' "$OUT/logs/$name.log" | tail -4
-  grep -h -A9 '^profile of steps' "$OUT/logs/$name.log"
-}
+source benchmarks/device_common.sh
 
 lane0() {
   python3 benchmarks/attention.py --batch 4 --heads 16 --seq 4096 --head-dim 128 --results-file "$OUT/rows_attn.md" > "$OUT/logs/attn.log" 2>&1

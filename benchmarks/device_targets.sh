@@ -12,26 +12,11 @@ set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?attention, lanes or multi}
+what=${1:?a mode: attention, lanes, multi, final, sizes, te_fused, te_fused_x2 or te_fused_compile}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 
 REF=(--model reference --steps 20 --warmup 6)
-bench() {  # name gpus(include list) port timeout args...
-  local name=$1 gpus=$2 port=$3 limit=$4; shift 4
-  timeout "$limit" deepspeed --include "localhost:$gpus" --master_port "$port" scripts/benchmark.py \
-      --results-file "$OUT/rows_$name.md" "$@" > "$OUT/logs/$name.log" 2>&1
-  local rc=$?
-  echo "[$name] rc=$rc $(grep -h -E '^(BENCH|BASELINE)' "$OUT/logs/$name.log" | tr '\n' ' ')"
-  [ $rc -ne 0 ] && grep -h -E 'Error|error:|out of memory' "$OUT/logs/$name.log" | tail -3
-  grep -h -A9 '^profile of steps' "$OUT/logs/$name.log"
-}
-gpu_tests() {  # name gpus timeout -k expression
-  local name=$1 gpus=$2 limit=$3 expr=$4
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "$expr" \
-      > "$OUT/logs/$name.log" 2>&1
-  echo "[$name] rc=$? $(tail -1 "$OUT/logs/$name.log")"
-  grep -h -E '^(E  |FAILED)' "$OUT/logs/$name.log" | head -6
-}
+source benchmarks/device_common.sh
 
 if [ "$what" = attention ]; then
   python3 -c "import flash_attn.cute; print('flash-attn-4 imports')" || exit 1
