@@ -1,0 +1,63 @@
+"""scripts/compare_runs.py: a run tracks a reference when its windowed loss means stay close."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _write(path, losses, start=1):
+    with open(path, "w") as f:
+        for i, loss in enumerate(losses, start=start):
+            f.write(json.dumps({"iteration": i, "loss": loss, "lr": 1e-3}) + "\n")
+    return str(path)
+
+
+def _run(*args):
+    result = subprocess.run([sys.executable, "scripts/compare_runs.py", *map(str, args)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    return result.returncode, result.stdout, result.stderr
+
+
+def _curve(steps, wobble=0.0):
+    # a falling loss with step-to-step noise of relative size ``wobble`` that averages out over 10 steps
+    return [(2.0 + 8.0 * math.exp(-s / 40)) * (1 + wobble * (-1) ** s) for s in range(1, steps + 1)]
+
+
+def test_a_run_whose_windowed_means_stay_close_tracks(tmp_path):
+    ref = _write(tmp_path / "one.jsonl", _curve(200))
+    other = _write(tmp_path / "eight.jsonl", _curve(200, wobble=0.03))  # 3% per step, ~0% per window
+    rows = tmp_path / "rows.md"
+    code, out, err = _run(ref, other, "--window", "10", "--tolerance", "0.01", "--results-file", rows,
+                          "--device", "8x H200", "--model", "m", "--layout", "TP2xPP2xDP2")
+    assert code == 0, out + err
+    assert "tracks" in out and len(out.splitlines()) == 1 + 20 + 1
+    row = rows.read_text()
+    assert row.startswith("| ") and "| 8x H200 | m | TP2xPP2xDP2 | max windowed loss gap 0.0" in row  # < 0.1%
+
+
+def test_a_run_that_drifts_away_diverges_with_exit_1(tmp_path):
+    ref = _write(tmp_path / "one.jsonl", _curve(200))
+    drifting = _write(tmp_path / "eight.jsonl", [x * (1 + 0.0005 * s) for s, x in enumerate(_curve(200))])
+    code, out, _ = _run(ref, drifting, "--tolerance", "0.05")
+    assert code == 1 and "DIVERGES" in out and "steps 191-200" in out
+
+
+def test_runs_that_logged_different_steps_are_one_sentence_and_exit_2(tmp_path):
+    ref = _write(tmp_path / "one.jsonl", _curve(200))
+    short = _write(tmp_path / "eight.jsonl", _curve(150))
+    code, _, err = _run(ref, short)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "different iterations (first difference: 151)" in lines[0]
+
+
+def test_a_file_that_is_not_a_metrics_file_is_one_sentence_and_exit_2(tmp_path):
+    ref = _write(tmp_path / "one.jsonl", _curve(20))
+    bad = tmp_path / "log.txt"
+    bad.write_text("iter 1 | loss 3.2\n")
+    code, _, err = _run(ref, bad)
+    assert code == 2 and err.strip() == f"error: {bad}, line 1: not a JSON record (is this a --metrics-file?)."
