@@ -66,6 +66,23 @@ def test_untied_output_layer_matches_single_process(layout, zero):
     assert_matches(reference(tuple(UNTIED)), parallel(2, layout, zero, tuple(UNTIED)))
 
 
+def test_vocabulary_padding_that_depends_on_tp_changes_nothing():
+    # Vocabulary 300 pads to 384 rows at TP=1 and 512 at TP=2. Padding rows start at zero and
+    # stay out of the softmax, so the loss, the gradient norm and the real rows' gradients are
+    # the single process's, and the padding gets no gradient. (A rank holding only padding:
+    # tests/test_parallel_units.py.)
+    variant = ("--vocab-size", "300", *UNTIED)
+    want, got = dict(reference(variant)), parallel(2, TP2, "zero0", variant)
+    want["grads"] = dict(want["grads"])  # the cached reference stays whole
+    vocab_tensors = [name for name, g in want["grads"].items() if g.shape[0] == 384]
+    assert len(vocab_tensors) == 2, vocab_tensors  # the embedding and the untied head
+    for name in vocab_tensors:
+        assert got["grads"][name].shape[0] == 512 and not got["grads"][name][300:].any(), name
+        assert not want["grads"][name][300:].any(), name
+        want["grads"][name], got["grads"][name] = want["grads"][name][:300], got["grads"][name][:300]
+    assert_matches(want, got)
+
+
 def test_gpt2_variant_with_biases_under_tp_and_sp_matches_single_process():
     # LayerNorm biases and row-parallel biases live in the sequence region: their gradients need the SP all-reduce.
     assert_matches(reference(tuple(GPT2)), parallel(2, TP2 + ["--sequence-parallel"], "zero0", tuple(GPT2)))

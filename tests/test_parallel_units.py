@@ -195,3 +195,34 @@ def test_a_norm_fused_into_the_next_linear_computes_the_same_loss_and_gradients_
         assert abs(loss - fused_loss) < 1e-6, (loss, fused_loss)
         for name, grad in grads.items():
             assert torch.allclose(fused_grads[name], grad, rtol=1e-5, atol=1e-7), name
+
+
+def _padded_vocab_cross_entropy(vocab: int, padded: int) -> dict:
+    import torch.distributed as dist
+
+    from hybridlm.parallel.state import GroupHandle
+    from hybridlm.parallel.tensor_parallel import vocab_parallel_cross_entropy
+    dist.init_process_group("gloo")
+    tp = GroupHandle(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    generator = torch.Generator().manual_seed(3)
+    full = torch.randn(6, padded, generator=generator, dtype=torch.float64)
+    target = torch.randint(0, vocab, (6,), generator=generator)
+    per_rank = padded // tp.size
+    local = full[:, tp.rank * per_rank:(tp.rank + 1) * per_rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, tp, vocab)
+    loss.sum().backward()
+    dist.destroy_process_group()
+    return {"loss": loss.detach(), "grad": local.grad, "full": full, "target": target}
+
+
+def test_vocab_parallel_cross_entropy_leaves_the_padding_out_even_on_a_rank_holding_only_padding():
+    # vocab 300 over 4 ranks of 128 columns: rank 2 holds 44 real columns, rank 3 none.
+    results = run_ranks(4, _padded_vocab_cross_entropy, 300, 512)
+    full = results[0]["full"][:, :300].clone().requires_grad_()
+    want = F.cross_entropy(full, results[0]["target"], reduction="none")
+    want.sum().backward()
+    got_grad = torch.cat([r["grad"] for r in results], dim=1)
+    for rank, r in enumerate(results):
+        assert torch.allclose(r["loss"], want.detach(), rtol=1e-12), f"rank {rank}: {r['loss']} vs {want}"
+    assert torch.allclose(got_grad[:, :300], full.grad, rtol=1e-12, atol=1e-15)
+    assert not got_grad[:, 300:].any(), "padding columns got a gradient"

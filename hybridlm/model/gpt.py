@@ -24,6 +24,7 @@ from ..parallel.plan import ParallelPlan
 from ..parallel.tensor_parallel import scaled_init_std
 from .attention import Rotary
 from .attention_backends import make_attention_core, resolve_backend
+from .weights import mark_vocabulary_rows
 
 
 class RMSNorm(nn.Module):
@@ -54,6 +55,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.plan = plan
         self.word_embeddings = plan.embedding(cfg.padded_vocab_size, cfg.hidden_size, init_std=cfg.init_method_std)
+        mark_vocabulary_rows(self.word_embeddings.weight, cfg.vocab_size)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
             table = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, device=plan.device, dtype=plan.dtype))
@@ -214,6 +216,7 @@ class OutputLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
         super().__init__()
         self.linear = plan.column_linear(cfg.hidden_size, [cfg.padded_vocab_size], bias=False, init_std=cfg.init_method_std)
+        mark_vocabulary_rows(self.linear.weight, cfg.vocab_size)
 
     def forward(self, x):
         return self.linear(x)
@@ -225,10 +228,12 @@ def tied_output(embedding: Embedding, x):
 
 
 class LMLoss:
-    """Mean next-token cross-entropy of vocab-split logits [s, b, v/TP] against labels [b, s]."""
+    """Mean next-token cross-entropy of vocab-split logits [s, b, padded v/TP] against labels
+    [b, s], over the ``vocab_size`` real entries (the padding, whose amount depends on TP,
+    takes no part: the same model gives the same loss at every TP)."""
 
-    def __init__(self, plan: ParallelPlan):
-        self.plan = plan
+    def __init__(self, plan: ParallelPlan, vocab_size: int | None = None):
+        self.plan, self.vocab_size = plan, vocab_size
 
     def __call__(self, logits, labels):
-        return self.plan.cross_entropy(logits, labels.t()).mean()
+        return self.plan.cross_entropy(logits, labels.t(), self.vocab_size).mean()

@@ -61,7 +61,7 @@ class SequentialModel(nn.Module):
 def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selective_recompute: bool = False) -> nn.Module:
     """A PipelineModule when ``topology`` has more than one stage, else a SequentialModel."""
     specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
-    loss = LMLoss(plan)
+    loss = LMLoss(plan, cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
         return PipelineModule(layers=specs, loss_fn=loss, topology=topology,
                               partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)

@@ -6,7 +6,9 @@ name), then sliced with the parameter's ``tp_sharding`` (over the TP group) and,
 stacked expert weights, its ``ep_sharding`` (experts split over the EP group, dim 0).
 Names are the same at every TP/PP/EP (see ``specs``), so the same seed gives the same
 full model on any layout, and the values do not depend on which rank or stage builds
-them or in what order.
+them or in what order. Vocabulary padding (whose size depends on TP) is the exception that
+keeps the rule: a tensor marked with ``mark_vocabulary_rows`` draws only its real rows and
+starts its padding rows at zero, so the real rows never depend on how much padding there is.
 """
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ def _to_local(param: nn.Parameter, full: torch.Tensor, tp: GroupHandle, ep: Grou
     return full
 
 
+def mark_vocabulary_rows(param: nn.Parameter, vocab_size: int | None) -> None:
+    """Say that the first ``vocab_size`` rows of ``param``'s full tensor are the vocabulary and
+    the rest padding (zero at initialisation; the loss leaves their logits out)."""
+    param.vocab_rows = vocab_size
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, tp: GroupHandle, ep: GroupHandle = SINGLE) -> None:
     for name, param in model.named_parameters():
@@ -51,7 +59,9 @@ def init_parameters(model: nn.Module, seed: int, tp: GroupHandle, ep: GroupHandl
         shape = _full_shape(param, tp, ep)
         if std is not None:
             generator = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
-            full = torch.empty(shape, device=param.device, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            rows = getattr(param, "vocab_rows", None) or shape[0]
+            full = torch.zeros(shape, device=param.device, dtype=torch.float32)
+            full[:rows].normal_(0.0, std, generator=generator)
         else:
             full = torch.full(shape, value, device=param.device, dtype=torch.float32)
         param.copy_(_to_local(param, full, tp, ep))

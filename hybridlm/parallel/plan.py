@@ -86,10 +86,11 @@ class ParallelPlan:
         """Output projection with a vocab-split weight (the tied embedding's or the head's)."""
         return column_parallel_matmul(x, weight, None, self.tp, self.sequence_parallel)
 
-    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+        """Per-token loss of vocab-split logits; columns from ``vocab_size`` on (padding) take no part."""
         if self.tp.size == 1 and self.compiled_loss is not None:
-            return self.compiled_loss(logits, target)
-        return vocab_parallel_cross_entropy(logits, target, self.tp)
+            return self.compiled_loss(logits if vocab_size is None else logits[..., :vocab_size], target)
+        return vocab_parallel_cross_entropy(logits, target, self.tp, vocab_size)
 
     def compile_loss(self) -> None:
         """With TP=1, compute the loss with a compiled cross-entropy: the fp32 upcast, softmax

@@ -211,22 +211,35 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits whose vocabulary is split over TP, without gathering them:
-    three all-reduces of [tokens]-sized tensors (max, target logit, sum of exponentials)."""
+    three all-reduces of [tokens]-sized tensors (max, target logit, sum of exponentials).
+
+    Columns at or beyond ``vocab_size`` are vocabulary padding (a multiple of 128 x TP, so
+    its amount depends on TP): they are left out of the softmax, so the loss and gradients
+    are those of the unpadded model at every TP; their gradient is zero."""
 
     @staticmethod
-    def forward(ctx, logits, target, tp):
+    def forward(ctx, logits, target, tp, vocab_size):
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        valid = min(per_rank, max(0, vocab_size - start))  # this rank's real columns
+        ctx.full_shape, ctx.valid = logits.shape, valid
+        logits = logits[..., :valid]
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # softmax statistics in fp32 at least
-        local_max = logits.max(dim=-1).values
+        if valid:
+            local_max = logits.max(dim=-1).values
+        else:  # a rank holding only padding
+            local_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device, dtype=logits.dtype)
         if tp.size > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
         shifted = logits - local_max.unsqueeze(-1)
-        per_rank = logits.shape[-1]
-        start = tp.rank * per_rank
         local_target = target - start
-        outside = (local_target < 0) | (local_target >= per_rank)
+        outside = (local_target < 0) | (local_target >= valid)
         local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        if valid:
+            target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        else:
+            target_logit = torch.zeros_like(local_max)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         if tp.size > 1:
@@ -242,14 +255,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
         grad = softmax
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        if ctx.valid:
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None
+        if ctx.valid < ctx.full_shape[-1]:
+            full = grad.new_zeros(ctx.full_shape)
+            full[..., :ctx.valid] = grad
+            grad = full
+        return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
-    """Per-token loss (fp32 or wider) for logits [..., vocab/TP] and targets [...] in full-vocabulary ids."""
-    return _VocabParallelCrossEntropy.apply(logits, target, tp)
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: GroupHandle,
+                                 vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token loss (fp32 or wider) for logits [..., padded vocab/TP] and targets [...] in
+    full-vocabulary ids; ``vocab_size`` (default: all columns) leaves the padding out."""
+    if vocab_size is None:
+        vocab_size = logits.shape[-1] * tp.size
+    return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size)
 
 
 def scaled_init_std(std: float, num_layers: int) -> float:
