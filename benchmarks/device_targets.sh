@@ -6,13 +6,13 @@
 #              flash-attn-4 beside the baselines, batch/ZeRO variants, TE FP8 + compile, the largest
 #              models with and without CPU offload
 #   multi      2-GPU correctness tests in two pairs, then the 7B shape at TP=2 SP x DP=2 compiled
-#   final      the fixes after multi (see below); sizes, te_fused(_x2), te_fused_compile: later rounds
+#   final      the fixes after multi (see below); sizes, te_fused_x2, te_fused_compile: later rounds
 # From the repo root:  bash benchmarks/device_targets.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: attention, lanes, multi, final, sizes, te_fused, te_fused_x2 or te_fused_compile}
+what=${1:?a mode: attention, lanes, multi, final, sizes, te_fused_x2 or te_fused_compile}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 
 REF=(--model reference --steps 20 --warmup 6)
@@ -114,20 +114,8 @@ if [ "$what" = sizes ]; then
   cat "$OUT"/lane*.txt
 fi
 
-# Transformer Engine's LayerNormLinear fusion (norm into the QKV / fc1 GEMMs): the TE tests, and the
-# reference model with TE FP8 eager and compiled.
-if [ "$what" = te_fused ]; then
-  ( gpu_tests test_gpu_te_local 0 300 "transformer_engine_linears_track" > "$OUT/pair0.txt" 2>&1 ) &
-  ( gpu_tests test_gpu_te_tp2 2,3 300 "transformer_engine_linears_under_tp2" > "$OUT/pair1.txt" 2>&1 ) &
-  ( gpu_tests test_gpu_fp8 1 300 "fp8 and hybrid_delayed and not compiled" > "$OUT/pair2.txt" 2>&1
-    bench ref_te_fp8_fused 1 29590 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 hybrid delayed, norms fused (LayerNormLinear)" -- \
-        --bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid \
-        > "$OUT/lane1.txt" 2>&1 ) &
-  wait
-  cat "$OUT"/pair*.txt "$OUT"/lane1.txt
-fi
-
-# The same on a 2-GPU host (when no 4-GPU one is lent), fewer cases.
+# Transformer Engine's LayerNormLinear fusion (norm into the QKV / fc1 GEMMs) on a 2-GPU host: the TE
+# tests that exercise it, and the reference model with TE FP8 (eager).
 if [ "$what" = te_fused_x2 ]; then
   gpu_tests test_gpu_te_tp2 0,1 200 "transformer_engine_linears_under_tp2 and no_sp"
   ( gpu_tests test_gpu_te_local 0 200 "transformer_engine_linears_track and eager" > "$OUT/pair0.txt" 2>&1 ) &

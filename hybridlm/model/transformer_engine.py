@@ -55,8 +55,7 @@ class TELocalNormMatmul:
         import transformer_engine.pytorch as te
         out_features, in_features = weight.shape
         layer_norm = isinstance(norm, nn.LayerNorm)
-        eps = norm.eps if isinstance(norm.eps, float) else float(norm.eps)
-        fused = te.LayerNormLinear(in_features, out_features, eps=eps, bias=bias is not None,
+        fused = te.LayerNormLinear(in_features, out_features, eps=float(norm.eps), bias=bias is not None,
                                    normalization="LayerNorm" if layer_norm else "RMSNorm",
                                    params_dtype=weight.dtype, device=weight.device)
         del fused.weight, fused.layer_norm_weight

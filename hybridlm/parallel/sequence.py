@@ -95,19 +95,9 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 # each collective runs exactly as in eager mode and the code between them still compiles.
 # The public functions return early with one rank, so TP=1 graphs stay whole.
 
-@torch.compiler.disable
-def _scatter_fn(x, tp):
-    return _ScatterToSequence.apply(x, tp)
-
-
-@torch.compiler.disable
-def _gather_fn(x, tp):
-    return _GatherFromSequence.apply(x, tp)
-
-
-@torch.compiler.disable
-def _reduce_scatter_fn(x, tp):
-    return _ReduceScatterToSequence.apply(x, tp)
+_scatter_fn = torch.compiler.disable(_ScatterToSequence.apply)
+_gather_fn = torch.compiler.disable(_GatherFromSequence.apply)
+_reduce_scatter_fn = torch.compiler.disable(_ReduceScatterToSequence.apply)
 
 
 def scatter_to_sequence(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:

@@ -92,14 +92,8 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 
 # Outside compiled graphs, as the sequence-parallel crossings are (see ``.sequence``).
-@torch.compiler.disable
-def _copy(x, tp):
-    return _CopyToTensorParallel.apply(x, tp)
-
-
-@torch.compiler.disable
-def _reduce(x, tp):
-    return _ReduceFromTensorParallel.apply(x, tp)
+_copy = torch.compiler.disable(_CopyToTensorParallel.apply)
+_reduce = torch.compiler.disable(_ReduceFromTensorParallel.apply)
 
 
 def copy_to_tensor_parallel(x, tp: GroupHandle):
