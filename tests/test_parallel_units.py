@@ -155,8 +155,9 @@ def test_compiled_layers_under_tp_keep_every_collective_out_of_the_graphs():
 
 
 def _norm_fused_into_linears_vs_separate(flags: list[str]) -> dict:
-    """Loss and gradients of one micro-batch, with the norms applied separately and with each
-    fused into the column linear after it (a PyTorch stand-in for TE's LayerNormLinear)."""
+    """Loss and gradients of one micro-batch, with the norms applied separately, with each fused
+    into the column linear after it (a PyTorch stand-in for TE's LayerNormLinear), and with the
+    MLP's norm fused into a whole norm + MLP block (a stand-in for TE's LayerNormMLP)."""
     import torch.distributed as dist
 
     from hybridlm.config import parse_args
@@ -172,29 +173,42 @@ def _norm_fused_into_linears_vs_separate(flags: list[str]) -> dict:
     def norm_then_linear(norm, weight, bias):
         return lambda x: F.linear(norm(x), weight, bias)
 
+    def norm_then_mlp(norm, fc1_weight, fc2_weight, activation):
+        assert activation == "swiglu", activation
+        def block(x):
+            gate, up = F.linear(norm(x), fc1_weight).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, fc2_weight)
+        return block
+
     tokens = torch.randint(0, cfg.model.padded_vocab_size, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
     results = {}
-    for name, factory in (("separate", None), ("fused", norm_then_linear)):
-        model = build_model(cfg.model, ParallelPlan(tp, local_norm_matmul=factory))
+    variants = (("separate", {}), ("fused", dict(local_norm_matmul=norm_then_linear)),
+                ("fused block", dict(local_norm_matmul=norm_then_linear, local_norm_mlp=norm_then_mlp)))
+    for name, factories in variants:
+        model = build_model(cfg.model, ParallelPlan(tp, **factories))
         init_parameters(model, 1234, tp)
         loss = model(tokens, tokens)
         loss.backward()
-        owners = [m for m in model.modules() if getattr(m, "owns_norm", False)]
-        results[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, len(owners))
+        owners = sorted(type(m).__name__ for m in model.modules() if getattr(m, "owns_norm", False))
+        results[name] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, owners)
     dist.destroy_process_group()
     return results
 
 
-def test_a_norm_fused_into_the_next_linear_computes_the_same_loss_and_gradients_under_tp():
+def test_a_norm_fused_into_the_next_linear_or_mlp_computes_the_same_loss_and_gradients_under_tp():
     # Under TP each rank back-propagates only its columns into a fused norm: its gradient must be
     # summed over TP (the un-fused norm sees the already-summed input gradient).
     results = run_ranks(2, _norm_fused_into_linears_vs_separate, TINY + ["--tensor-model-parallel-size", "2"] + ds_config("zero0"))
+    owners_expected = {"fused": {"ColumnParallelLinear": 8, "MLP": 4},  # QKV and fc1 in each of 4 layers
+                       "fused block": {"ColumnParallelLinear": 4, "MLP": 4}}  # QKV, and the whole MLP
     for rank, result in enumerate(results):
-        (loss, grads, _), (fused_loss, fused_grads, owners) = result["separate"], result["fused"]
-        assert owners == 2 * 4, f"rank {rank}: {owners} linears own their norm (expected QKV and fc1 in 4 layers)"
-        assert abs(loss - fused_loss) < 1e-6, (loss, fused_loss)
-        for name, grad in grads.items():
-            assert torch.allclose(fused_grads[name], grad, rtol=1e-5, atol=1e-7), name
+        loss, grads, _ = result["separate"]
+        for variant, expected in owners_expected.items():
+            fused_loss, fused_grads, owners = result[variant]
+            assert {k: owners.count(k) for k in set(owners)} == expected, (variant, owners)
+            assert abs(loss - fused_loss) < 1e-6, (variant, loss, fused_loss)
+            for name, grad in grads.items():
+                assert torch.allclose(fused_grads[name], grad, rtol=1e-5, atol=1e-7), (variant, rank, name)
 
 
 def _padded_vocab_cross_entropy(vocab: int, padded: int) -> dict:

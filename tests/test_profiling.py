@@ -97,7 +97,28 @@ def test_summary_splits_step_time_into_kernel_kinds_exposed_communication_and_id
     assert summary["exposed communication ms"] == pytest.approx(20 * ms)
     assert summary["optimizer ms"] == pytest.approx(10 * ms)
     assert summary["idle GPU ms"] == pytest.approx(30 * ms)
+    assert summary["top kernels"] == [("sm90_xmma_gemm_bf16", pytest.approx(40 * ms)), ("ncclDevKernel_AllReduce_Sum", pytest.approx(30 * ms)),
+                                      ("multi_tensor_apply_kernel", pytest.approx(10 * ms))]
     assert summarize([event("ProfilerStep#1", 0, 10, DeviceType.CPU)]) == {}  # a CPU run has no kernels
+
+
+def test_heaviest_kernels_add_up_the_launches_of_one_kernel_whatever_its_template_arguments():
+    from types import SimpleNamespace as NS
+
+    from torch.autograd import DeviceType
+
+    from hybridlm.training.profiling import format_summary, summarize
+
+    def event(name, start, end, device=DeviceType.CUDA):
+        return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
+    events = [event("ProfilerStep#1", 0, 100, DeviceType.CPU),
+              event("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, float)", 0, 10),
+              event("void at::native::vectorized_elementwise_kernel<2, at::native::CUDAFunctor_add<c10::BFloat16>>(int)", 10, 30),
+              event("triton_per_fused_add_mul_rsqrt_0", 30, 35)]
+    summary = summarize(events)
+    assert summary["top kernels"] == [("at::native::vectorized_elementwise_kernel", pytest.approx(30e-3)),
+                                      ("triton_per_fused_add_mul_rsqrt_0", pytest.approx(5e-3))]
+    assert "30.0%  at::native::vectorized_elementwise_kernel" in format_summary(summary)
 
 
 def test_summary_reads_kernels_and_steps_from_an_exported_chrome_trace(tmp_path):

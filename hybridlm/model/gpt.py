@@ -118,19 +118,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """``input_norm``: the norm before it, offered to fc1 to fuse (``fc1.owns_norm``)."""
+    """``input_norm``: the norm before it, offered to fc1 (``fc1.owns_norm``) or to a fused
+    norm + MLP block (Transformer Engine's LayerNormMLP); ``owns_norm`` says whether either took it."""
 
     def __init__(self, cfg: ModelConfig, plan: ParallelPlan, ffn_hidden_size: int | None = None, input_norm: nn.Module | None = None):
         super().__init__()
         self.swiglu = plan.kernels.swiglu if cfg.swiglu else None  # [gate | up] -> silu(gate) * up
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
         blocks = [ffn] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
+        fuse_block = input_norm is not None and plan.fuses_norm_mlp(bias=cfg.add_bias_linear)
         self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std,
-                                      input_norm=input_norm)
+                                      input_norm=None if fuse_block else input_norm)
         self.fc2 = plan.row_linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear,
                                    init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+        activation = "swiglu" if cfg.swiglu else "gelu_tanh"
+        self.fused = plan.norm_mlp(input_norm, self.fc1, self.fc2, activation) if fuse_block else None
+        self.owns_norm = self.fused is not None or self.fc1.owns_norm
 
     def forward(self, x):
+        if self.fused is not None:
+            return self.fused(x)
         h = self.fc1(x)
         if self.swiglu is not None:
             h = self.swiglu(h)
@@ -176,7 +183,7 @@ class TransformerLayer(nn.Module):
         return x if self.attention.qkv.owns_norm else self.input_norm(x)
 
     def mlp_input(self, x):
-        fused = isinstance(self.mlp, MLP) and self.mlp.fc1.owns_norm
+        fused = isinstance(self.mlp, MLP) and self.mlp.owns_norm
         return x if fused else self.post_attention_norm(x)
 
     def _residual_dropout(self, x):

@@ -11,6 +11,7 @@ the amax history within ``--fp8-amax-history-len`` steps).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -19,27 +20,34 @@ from torch import nn
 from ..config import ModelConfig
 
 
+@dataclass
+class MicroBatchPhase:
+    """Where the running forward sits in an optimizer step, for TE's FP8 weight cache.
+
+    Weights change only at the optimizer step, so their FP8 casts (and transposes) made in
+    the first micro-batch serve every later one of the same step (TE's ``is_first_microbatch``;
+    Megatron passes the same). The training loop sets ``first`` to True for a step's first
+    micro-batch and False for the rest, and back to None after the step: None (evaluation,
+    generation, the pipeline engine's own schedule) casts afresh and touches no cache."""
+    first: Optional[bool] = None
+
+
 class TELocalMatmul:
     """y = x W^T (+ b) through ``transformer_engine.pytorch.Linear`` on the caller's parameters."""
 
-    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter]):
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], phase: Optional[MicroBatchPhase] = None):
         import transformer_engine.pytorch as te
         out_features, in_features = weight.shape
         linear = te.Linear(in_features, out_features, bias=bias is not None, params_dtype=weight.dtype, device=weight.device)
-        # TE reads its weights by attribute name at every call: point them at ours.
-        del linear.weight
-        linear.weight = weight
-        if bias is not None:
-            del linear.bias
-            linear.bias = bias
-        self.linear = linear
+        _adopt(linear, weight=weight, bias=bias)
+        self.linear, self.phase = linear, phase or MicroBatchPhase()
 
     @torch.compiler.disable
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Under --torch-compile the layer's graphs break around TE's GEMM (TE's autograd
         # functions and FP8 scaling state are not traceable); the norms, RoPE, attention and
         # SwiGLU between the GEMMs still compile.
-        return self.linear(x)
+        return self.linear(x, is_first_microbatch=self.phase.first)
 
 
 class TELocalNormMatmul:
@@ -51,26 +59,64 @@ class TELocalNormMatmul:
     the two). The norm module stays registered where it was (its parameter names and
     checkpoints are unchanged); this object only reads its weight and epsilon."""
 
-    def __init__(self, norm: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter]):
+    def __init__(self, norm: nn.Module, weight: nn.Parameter, bias: Optional[nn.Parameter],
+                 phase: Optional[MicroBatchPhase] = None):
         import transformer_engine.pytorch as te
         out_features, in_features = weight.shape
-        layer_norm = isinstance(norm, nn.LayerNorm)
         fused = te.LayerNormLinear(in_features, out_features, eps=float(norm.eps), bias=bias is not None,
-                                   normalization="LayerNorm" if layer_norm else "RMSNorm",
-                                   params_dtype=weight.dtype, device=weight.device)
-        del fused.weight, fused.layer_norm_weight
-        fused.weight, fused.layer_norm_weight = weight, norm.weight
-        if bias is not None:
-            del fused.bias
-            fused.bias = bias
-        if layer_norm:
-            del fused.layer_norm_bias
-            fused.layer_norm_bias = norm.bias
-        self.fused = fused
+                                   normalization=_normalization(norm), params_dtype=weight.dtype, device=weight.device)
+        _adopt(fused, **_norm_params(norm), weight=weight, bias=bias)
+        self.fused, self.phase = fused, phase or MicroBatchPhase()
 
     @torch.compiler.disable
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x)
+        return self.fused(x, is_first_microbatch=self.phase.first)
+
+
+class TELocalNormMLP:
+    """y = act(norm(x) W1^T) W2^T through ``transformer_engine.pytorch.LayerNormMLP``, on the
+    caller's parameters (this rank's shards: W1's rows, W2's columns; no biases).
+
+    Beyond LayerNormLinear for fc1, TE computes the activation (SwiGLU's gate and product, or
+    GELU) and its FP8 cast in one kernel, and its gradient with the cast of fc1's output
+    gradient, instead of a bf16 round trip through memory and a separate quantisation; the
+    block is one call, so a compiled layer also has two fewer graph breaks."""
+
+    ACTIVATIONS = {"swiglu": "swiglu", "gelu_tanh": "gelu"}  # ours -> TE's ("gelu" is the tanh form)
+
+    def __init__(self, norm: nn.Module, fc1_weight: nn.Parameter, fc2_weight: nn.Parameter, activation: str,
+                 phase: Optional[MicroBatchPhase] = None):
+        import transformer_engine.pytorch as te
+        hidden, ffn = fc2_weight.shape
+        fused = te.LayerNormMLP(hidden, ffn, eps=float(norm.eps), bias=False, normalization=_normalization(norm),
+                                activation=self.ACTIVATIONS[activation], params_dtype=fc1_weight.dtype,
+                                device=fc1_weight.device)
+        _adopt(fused, **_norm_params(norm), fc1_weight=fc1_weight, fc2_weight=fc2_weight)
+        self.fused, self.phase = fused, phase or MicroBatchPhase()
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x, is_first_microbatch=self.phase.first)
+
+
+def _normalization(norm: nn.Module) -> str:
+    return "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
+
+
+def _norm_params(norm: nn.Module) -> dict:
+    params = {"layer_norm_weight": norm.weight}
+    if isinstance(norm, nn.LayerNorm):
+        params["layer_norm_bias"] = norm.bias
+    return params
+
+
+def _adopt(module: nn.Module, **params: Optional[nn.Parameter]) -> None:
+    """Point a TE module's parameters at ours (TE reads them by attribute name at every call),
+    so that it holds no weights of its own; a None leaves TE's (absent bias) as it is."""
+    for name, param in params.items():
+        if param is not None:
+            delattr(module, name)
+            setattr(module, name, param)
 
 
 def fp8_recipe(cfg: ModelConfig):

@@ -19,18 +19,22 @@ from .moe import MoELayer
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, tag_parameter,
-                              column_parallel_matmul, vocab_parallel_cross_entropy)
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_matmul,
+                              copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter,
+                              vocab_parallel_cross_entropy)
 
 
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
                  sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
                  local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
+                 local_norm_mlp: Callable | None = None,
                  layer_context: Callable = contextlib.nullcontext, kernels: Kernels | None = None):
         """``local_matmul``: a factory (weight, bias) -> callable replacing the linears' rank-local
         GEMM (Transformer Engine's); ``local_norm_matmul``: a factory (norm, weight, bias) fusing a
-        norm into the column linear after it (TE's LayerNormLinear); ``layer_context``: what each transformer layer's forward
+        norm into the column linear after it (TE's LayerNormLinear); ``local_norm_mlp``: a factory
+        (norm, fc1 weight, fc2 weight, activation) for a whole norm + MLP block on this rank's
+        shards (TE's LayerNormMLP); ``layer_context``: what each transformer layer's forward
         runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
         (``hybridlm.ops.select_kernels``; default: the PyTorch definitions)."""
         self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
@@ -38,6 +42,7 @@ class ParallelPlan:
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
         self.local_matmul, self.local_norm_matmul, self.layer_context = local_matmul, local_norm_matmul, layer_context
+        self.local_norm_mlp = local_norm_mlp
         self.kernels = kernels or reference_kernels()
         self.compiled_loss = None
 
@@ -53,6 +58,21 @@ class ParallelPlan:
     def row_linear(self, input_size: int, output_size: int, *, bias: bool, init_std: float) -> RowParallelLinear:
         return RowParallelLinear(input_size, output_size, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
                                  init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul)
+
+    def fuses_norm_mlp(self, *, bias: bool) -> bool:
+        """Whether ``norm_mlp`` will fuse a norm + MLP block: with a fused-block factory, no
+        biases (fc2's would have to follow the TP sum) and no SP (an all-gather follows the norm)."""
+        return self.local_norm_mlp is not None and not bias and not self.sequence_parallel
+
+    def norm_mlp(self, norm: nn.Module, fc1: ColumnParallelLinear, fc2: RowParallelLinear, activation: str) -> Callable:
+        """x -> fc2(act(fc1(norm(x)))) in one rank-local fused call on fc1's and fc2's shards
+        (the parameters stay theirs: names, sharding tags and checkpoints unchanged), between
+        the same two TP crossings as the separate linears. Only when ``fuses_norm_mlp``."""
+        tp = self.tp
+        for param in norm.parameters():  # each rank back-propagates its ffn columns into the norm
+            sum_grad_over_tp(param, tp)
+        block = self.local_norm_mlp(norm, fc1.weight, fc2.weight, activation)
+        return lambda x: reduce_from_tensor_parallel(block(copy_to_tensor_parallel(x, tp)), tp)
 
     def embedding(self, num_embeddings: int, dim: int, *, init_std: float) -> VocabParallelEmbedding:
         return VocabParallelEmbedding(num_embeddings, dim, self.tp, init_std=init_std, device=self.device, dtype=self.dtype)

@@ -173,6 +173,12 @@ def summarize(events) -> dict:
         kind = next((name for name, pattern in _CATEGORIES if pattern.search(e.name)), "other kernels")
         by_kind.setdefault(kind, []).append((start, end))
     n = len(steps)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        start, end = max(e.time_range.start, window[0]), min(e.time_range.end, window[1])
+        if end > start:
+            name = _short_name(e.name)
+            by_name[name] = by_name.get(name, 0.0) + end - start
     busy = _union([iv for ivs in by_kind.values() for iv in ivs])
     compute = _union([iv for kind, ivs in by_kind.items() if kind != "communication" for iv in ivs])
     comm = _union(by_kind.get("communication", []))
@@ -181,7 +187,27 @@ def summarize(events) -> dict:
         summary[f"{kind} ms"] = _length(_union(by_kind.get(kind, []))) / 1e3 / n
     summary["exposed communication ms"] = (_length(comm) - _overlap(comm, compute)) / 1e3 / n
     summary["idle GPU ms"] = (window[1] - window[0] - _length(busy)) / 1e3 / n
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1])[:TOP_KERNELS]
+    summary["top kernels"] = [(name, total / 1e3 / n) for name, total in heaviest]
     return summary
+
+
+TOP_KERNELS = 12
+
+
+def _short_name(kernel: str) -> str:
+    """A kernel's name without template arguments and parameter lists, so that one kernel's
+    launches with different shapes add up under one name (``void at::native::foo<...>(...)`` ->
+    ``at::native::foo``)."""
+    name, depth, out = kernel.removeprefix("void "), 0, []
+    for ch in name:
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out).strip()[:80] or kernel[:80]
 
 
 def format_summary(summary: dict) -> str:
@@ -191,4 +217,7 @@ def format_summary(summary: dict) -> str:
         if key.endswith(" ms") and key != "step ms":
             lines.append(f"  {key[:-3]:28s} {value:9.2f} ms  {100 * value / step:5.1f}%")
     lines.append("  (kinds overlap: communication can run beside compute; idle = no kernel at all)")
+    if summary.get("top kernels"):
+        lines.append("  heaviest kernels per step:")
+        lines += [f"    {value:9.2f} ms  {100 * value / step:5.1f}%  {name}" for name, value in summary["top kernels"]]
     return "\n".join(lines)

@@ -13,7 +13,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Iterator, Optional
 
 import deepspeed
@@ -28,7 +29,8 @@ from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import resolve_backend
 from ..model.specs import apply_recompute, build_model, compile_layers
-from ..model.transformer_engine import TELocalMatmul, TELocalNormMatmul, fp8_context, fp8_recipe
+from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
+                                        fp8_recipe)
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.moe import set_aux_loss_scale
@@ -102,6 +104,7 @@ class Run:
     train_data: object = None  # anything with .batch(first, count) -> (tokens, labels)
     valid_data: object = None
     iteration: int = 0
+    phase: MicroBatchPhase = field(default_factory=MicroBatchPhase)  # read by TE's FP8 weight cache
     wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
 
     @property
@@ -121,9 +124,11 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
 
     te = cfg.model.transformer_impl == "transformer_engine"
     recipe = fp8_recipe(cfg.model)
+    phase = MicroBatchPhase()
+    te_factories = dict(local_matmul=partial(TELocalMatmul, phase=phase), local_norm_matmul=partial(TELocalNormMatmul, phase=phase),
+                        local_norm_mlp=partial(TELocalNormMLP, phase=phase)) if te else {}
     plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device(),
-                        local_matmul=TELocalMatmul if te else None, local_norm_matmul=TELocalNormMatmul if te else None,
-                        layer_context=lambda: fp8_context(recipe),
+                        **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
@@ -150,7 +155,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
         lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
     train_data, valid_data = build_datasets(cfg)
-    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data)
+    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, phase=phase)
     if t.load:
         client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
         if client_state is None:
@@ -210,12 +215,14 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
         loss = engine.train_batch(batches)
     else:
         total = torch.zeros((), device=engine.device)
-        for _ in range(run.cfg.gradient_accumulation_steps):
+        for micro in range(run.cfg.gradient_accumulation_steps):
             tokens, labels = next(batches)
+            run.phase.first = micro == 0
             micro_loss = engine(tokens, labels)
             engine.backward(micro_loss)
             engine.step()
             total += micro_loss.detach().float()
+        run.phase.first = None
         loss = total / run.cfg.gradient_accumulation_steps
         if run.ps.dp.size > 1:
             dist.all_reduce(loss, group=run.ps.dp.group)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 9's FP8 target (TE FP8 >= 125k tok/s on the reference model, one H200): after the whole-MLP
+# fusion (TE LayerNormMLP) and the FP8 weight cache across micro-batches.
+#   fa      (.device staged with `stage.sh fa` alone) install flash-attn-4 into /tmp/site
+#   round1  (.device with `stage.sh ds te`, the same warm 2-GPU machine) GPU 0: the reference in FP8,
+#           compiled, with cuDNN attention (as the 102,264 row) and with flash-attn-4, profiled;
+#           GPU 1: the TE and attention tests; then the 2-GPU TE test (fused block under TP=2)
+# From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
+set -uo pipefail
+source .device/install.sh || exit 1
+export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
+what=${1:?a mode: fa or round1}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
+source benchmarks/device_common.sh
+
+if [ "$what" = fa ]; then
+  python3 -c "import flash_attn.cute; print('flash-attn-4 imports')"; exit $?
+fi
+
+REF=(--model reference --steps 20 --warmup 6)
+FP8=(--bf16 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid --torch-compile)
+if [ "$what" = round1 ]; then
+  python3 -c "import flash_attn.cute" 2>/dev/null && echo "flash-attn-4 present" || echo "NO flash-attn-4"
+  ( bench fp8_cudnn 0 29610 220 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, cuDNN attention" -- \
+        "${FP8[@]}" --global-batch-size 64 --attention-backend cudnn --profile-step-range 12,13 --profile-dir "$OUT/prof/fp8_cudnn"
+    bench fp8_flash 0 29610 220 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, flash-attn-4" -- \
+        "${FP8[@]}" --global-batch-size 64 --profile-step-range 12,13 --profile-dir "$OUT/prof/fp8_flash"
+    bench fp8_flash_gbs128 0 29610 200 --model reference --steps 10 --warmup 4 --label "1 GPU, ZeRO-1, gbs 128, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, flash-attn-4" -- \
+        "${FP8[@]}" --global-batch-size 128 ) > "$OUT/lane0.txt" 2>&1 &
+  ( CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_transformer_engine.py tests/test_attention.py \
+        > "$OUT/logs/test_te_attention.log" 2>&1
+    echo "[test_te_attention] rc=$? $(tail -1 "$OUT/logs/test_te_attention.log")"
+    grep -h -E '^(E  |FAILED)' "$OUT/logs/test_te_attention.log" | head -8
+    gpu_tests test_gpu_te 1 330 "transformer_engine_linears_track or fp8_training" ) > "$OUT/lane1.txt" 2>&1 &
+  wait
+  cat "$OUT"/lane*.txt
+  gpu_tests test_gpu_te_tp2 0,1 150 "transformer_engine_linears_under_tp2 and no_sp"
+fi
+
+find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
+cat "$OUT"/rows_*.md > "$OUT/rows.md" 2>/dev/null
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs prof && rm -rf "$OUT/logs" "$OUT/prof" "$OUT"/rows_*.md
+echo "--- rows"; cat "$OUT/rows.md" 2>/dev/null
