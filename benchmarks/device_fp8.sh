@@ -5,12 +5,15 @@
 #   round1  (.device with `stage.sh ds te`, the same warm 2-GPU machine) GPU 0: the reference in FP8,
 #           compiled, with cuDNN attention (as the 102,264 row) and with flash-attn-4, profiled;
 #           GPU 1: the TE and attention tests; then the 2-GPU TE test (fused block under TP=2)
+#   round2  (one GPU, `stage.sh ds te`, cuDNN attention) one run at a time, nothing beside it (round1's
+#           lanes disturbed each other: the FP8 run is host-bound): FP8 autocast once per forward, then
+#           with --manual-gc, then micro-batch 8; the compiled FP8 test and the TE adapter tests after
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa or round1}
+what=${1:?a mode: fa, round1 or round2}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -36,6 +39,17 @@ if [ "$what" = round1 ]; then
   wait
   cat "$OUT"/lane*.txt
   gpu_tests test_gpu_te_tp2 0,1 150 "transformer_engine_linears_under_tp2 and no_sp"
+fi
+
+if [ "$what" = round2 ]; then
+  SHORT=(--model reference --steps 14 --warmup 6)
+  L="1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, one FP8 autocast per forward, cuDNN attention"
+  bench fp8_once 0 29620 170 "${SHORT[@]}" --label "$L" -- "${FP8[@]}" --global-batch-size 64
+  bench fp8_once_gc 0 29620 170 "${SHORT[@]}" --label "$L, --manual-gc" -- "${FP8[@]}" --global-batch-size 64 --manual-gc --manual-gc-interval 10
+  bench fp8_once_mb8 0 29620 170 "${SHORT[@]}" --label "${L/gbs 64/mb 8, gbs 64}" -- "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_transformer_engine.py > "$OUT/logs/test_te.log" 2>&1
+  echo "[test_te] rc=$? $(tail -1 "$OUT/logs/test_te.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_te.log" | head -6
+  gpu_tests test_gpu_fp8_compiled 0 150 "fp8_training and compiled"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

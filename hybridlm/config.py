@@ -199,6 +199,8 @@ class TrainConfig:
     tensorboard_dir: Optional[str] = _f(None, "Write TensorBoard scalars (rank 0) to this folder.")
     profile_step_range: Optional[str] = _f(None, "Profile iterations A+1..B with torch.profiler, given as A,B; one Chrome trace per rank.")
     profile_dir: str = _f("profile", "Folder for the --profile-step-range traces.")
+    manual_gc: bool = _f(False, "Turn Python's automatic garbage collector off and collect at fixed steps instead (same step on every rank; Megatron's flag).")
+    manual_gc_interval: int = _f(0, "With --manual-gc: collect every N steps (0: only around evaluation).")
 
 
 @dataclass
@@ -294,6 +296,8 @@ class RunConfig:
             raise ConfigError("--ckpt-step needs --load.")
         if t.finetune and not t.load:
             raise ConfigError("--finetune needs --load: it says what to take from the loaded checkpoint.")
+        if t.manual_gc_interval < 0 or (t.manual_gc_interval and not t.manual_gc):
+            raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:
             raise ConfigError("--exit-signal-handler needs --save: the checkpoint it writes on the signal has to go somewhere.")
         if m.vocab_size is not None:

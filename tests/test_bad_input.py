@@ -57,6 +57,8 @@ CASES = [
     pytest.param(2, ["--deepspeed_config", "/nonexistent/ds.json"],
                  "--deepspeed_config /nonexistent/ds.json: no such file", id="missing_json"),
     pytest.param(2, ["--deepspeed_config", "BAD_JSON"], "invalid JSON at line 1", id="malformed_json"),
+    pytest.param(2, ["--manual-gc-interval", "5"] + ds_config("zero1"), "--manual-gc-interval 5 needs --manual-gc",
+                 id="gc_interval_without_manual_gc"),
     pytest.param(2, ["--global-batch-size", "6", "--micro-batch-size", "2"] + ds_config("zero1"),
                  "--global-batch-size 6 is not divisible by --micro-batch-size x DP = 2 x 2", id="batch_not_divisible"),
     pytest.param(1, ["--micro-batch-size", "4", "--deepspeed_config", "MBS8_JSON"],

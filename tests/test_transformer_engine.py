@@ -34,6 +34,7 @@ def _phases_seen_by_the_model(flags):
     return seen, run.phase.first
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="forked gloo ranks cannot use CUDA; the CPU suite checks the loop")
 def test_each_optimizer_step_marks_its_first_micro_batch_and_clears_the_mark_after():
     # TINY: global batch 8 of micro-batches of 2 -> 4 micro-batches per step. Weights change at the
     # step, so only the first micro-batch may (re)make the FP8 weight copies; after the step the

@@ -9,6 +9,7 @@ has one name in every layout: initialisation and checkpoints key on it.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -33,11 +34,14 @@ def layer_specs(cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bo
 
 
 class SequentialModel(nn.Module):
-    """All specs built in one process: forward(tokens, labels) -> loss, or logits without labels."""
+    """All specs built in one process: forward(tokens, labels) -> loss, or logits without labels.
+    ``context`` wraps the run of transformer layers (the plan's layer context: FP8 autocast,
+    entered once around all of them, not only per layer, so that TE updates its scaling once
+    per pass; the embedding and output head stay outside, in bf16)."""
 
-    def __init__(self, specs: list, loss_fn):
+    def __init__(self, specs: list, loss_fn, context=contextlib.nullcontext):
         super().__init__()
-        self.loss_fn = loss_fn
+        self.loss_fn, self.context = loss_fn, context
         self.tied_modules = nn.ModuleDict()
         self.forward_funcs = []
         for index, spec in enumerate(specs):
@@ -50,10 +54,18 @@ class SequentialModel(nn.Module):
                 module = spec.build()
                 self.add_module(str(index), module)
                 self.forward_funcs.append(module)
+        blocks = [i for i, f in enumerate(self.forward_funcs) if isinstance(f, TransformerLayer)]
+        self.block_span = (blocks[0], blocks[-1] + 1) if blocks else (0, 0)
 
     def forward(self, tokens, labels=None):
         x = tokens
-        for layer in self.forward_funcs:
+        first, end = self.block_span
+        for layer in self.forward_funcs[:first]:
+            x = layer(x)
+        with self.context():
+            for layer in self.forward_funcs[first:end]:
+                x = layer(x)
+        for layer in self.forward_funcs[end:]:
             x = layer(x)
         return x if labels is None else self.loss_fn(x, labels)
 
@@ -65,7 +77,7 @@ def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selectiv
     if topology is not None and topology.get_dim("pipe") > 1:
         return PipelineModule(layers=specs, loss_fn=loss, topology=topology,
                               partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
-    return SequentialModel(specs, loss)
+    return SequentialModel(specs, loss, context=plan.layer_context)
 
 
 def local_layers(model: nn.Module) -> list:

@@ -131,8 +131,14 @@ def fp8_recipe(cfg: ModelConfig):
 
 
 def fp8_context(recipe_object):
-    """The context the transformer layers run their forward in: FP8 autocast, or nothing."""
+    """The context FP8 runs under: TE's autocast, or nothing without FP8.
+
+    A model built whole enters it once around its forward and each transformer layer again
+    (nested: free), so that under delayed scaling TE updates the amax histories and scales once
+    per forward and once per backward; a pipeline stage's layers each enter it alone."""
     if recipe_object is None:
         return contextlib.nullcontext()
     import transformer_engine.pytorch as te
+    if hasattr(te, "autocast"):  # TE 2.x's name; fp8_autocast there warns on every call
+        return te.autocast(enabled=True, recipe=recipe_object)
     return te.fp8_autocast(enabled=True, fp8_recipe=recipe_object)

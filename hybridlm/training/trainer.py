@@ -40,6 +40,7 @@ from ..parallel.state import ParallelState
 from . import checkpoint
 from .distributed import device, init_distributed, on_gpu
 from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
+from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .moe_metrics import collect_moe_stats
 from .optim import WarmupDecayLR, build_optimizer
@@ -272,11 +273,13 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     profiler.step(run.iteration)  # a range starting at the first iteration starts here
     batches = data_iterator(run)
     records = []
+    collector = ManualGC(t.manual_gc, t.manual_gc_interval)
     last_logged, started = run.iteration, time.perf_counter()
     consecutive_bad = 0
     while run.iteration < t.train_iters:
         lr = run.engine.get_lr()[0]
         loss = train_step(run, batches)
+        collector.after_step(run.iteration)
         profiler.step(run.iteration)
         if run.engine.was_step_applied():
             consecutive_bad = 0
@@ -301,7 +304,9 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
             log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
             last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
+            collector.collect()
             valid_loss = evaluate(run)
+            collector.collect()
             records.append(log.record_eval(iteration=run.iteration, loss=valid_loss))
             log_all(trackers, {"valid_loss": valid_loss, "valid_ppl": records[-1]["valid_ppl"]}, run.iteration)
             started = time.perf_counter()  # evaluation time is not training time
@@ -312,6 +317,7 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
     profiler.close()
+    collector.close()
     close_all(trackers)
     log.close()
     if exit_signal is not None:
