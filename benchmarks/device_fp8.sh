@@ -8,12 +8,14 @@
 #   round2  (one GPU, `stage.sh ds te`, cuDNN attention) one run at a time, nothing beside it (round1's
 #           lanes disturbed each other: the FP8 run is host-bound): FP8 autocast once per forward, then
 #           with --manual-gc, then micro-batch 8; the compiled FP8 test and the TE adapter tests after
+#   round3  (one GPU, `stage.sh ds te`) batches copied from pinned memory (no host sync per micro-batch):
+#           FP8 at ZeRO-1 and ZeRO-0 (profiled), bf16 compiled at ZeRO-0; the data-copy and TE tests
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1 or round2}
+what=${1:?a mode: fa, round1, round2 or round3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -50,6 +52,19 @@ if [ "$what" = round2 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_transformer_engine.py > "$OUT/logs/test_te.log" 2>&1
   echo "[test_te] rc=$? $(tail -1 "$OUT/logs/test_te.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_te.log" | head -6
   gpu_tests test_gpu_fp8_compiled 0 150 "fp8_training and compiled"
+fi
+
+if [ "$what" = round3 ]; then
+  SHORT=(--model reference --steps 14 --warmup 6)
+  L="1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, one FP8 autocast per forward, pinned batches, cuDNN attention"
+  bench fp8_pinned 0 29630 170 "${SHORT[@]}" --label "$L" -- "${FP8[@]}" --global-batch-size 64
+  bench fp8_pinned_zero0 0 29630 170 "${SHORT[@]}" --label "${L/ZeRO-1/ZeRO-0}" -- "${FP8[@]/zero1/zero0}" --global-batch-size 64 \
+      --profile-step-range 10,11 --profile-dir "$OUT/prof/fp8_pinned_zero0"
+  bench bf16_pinned_zero0 0 29630 170 "${SHORT[@]}" --label "1 GPU, ZeRO-0, bf16, gbs 64, --torch-compile, pinned batches, cuDNN attention" -- \
+      --bf16 --deepspeed_config ds_configs/zero0.json --torch-compile --global-batch-size 64
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_transformer_engine.py \
+      tests/test_data_gpt_dataset.py -k "gpu or te_ or queued" > "$OUT/logs/test_te_data.log" 2>&1
+  echo "[test_te_data] rc=$? $(tail -1 "$OUT/logs/test_te_data.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_te_data.log" | head -6
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

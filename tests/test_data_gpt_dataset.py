@@ -160,6 +160,24 @@ def test_a_resumed_run_continues_at_consumed_samples(tmp_path):
     assert torch.equal(uninterrupted[0][1][:, :-1], uninterrupted[0][0][:, 1:])  # labels are inputs shifted by one
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_micro_batch_reaches_the_gpu_without_waiting_for_the_queued_work(tmp_path):
+    prefix = write_corpus(tmp_path / "c")
+    ds = build_gpt_datasets([prefix], "1,0,0", 16, 1, (64, 0, 0), str(tmp_path / "cache"))[0]
+    batches = micro_batches(ds, micro_batch_size=4, global_batch_size=8, dp_rank=0, dp_size=1, device="cuda")
+    next(batches)  # warm the pinned-memory pool
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued GPU work
+    import time
+    started = time.perf_counter()
+    tokens, labels = next(batches)
+    waited = time.perf_counter() - started
+    torch.cuda.synchronize()
+    assert waited < 0.2, f"fetching a micro-batch blocked the host for {waited:.2f} s behind the queued GPU work"
+    want = torch.from_numpy(np.stack([ds[i] for i in range(4, 8)]).astype(np.int64))
+    assert torch.equal(tokens.cpu(), want[:, :-1]) and torch.equal(labels.cpu(), want[:, 1:])
+
+
 def _build_on_rank(prefix, cache):
     torch.distributed.init_process_group("gloo")
     built = []

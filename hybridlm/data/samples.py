@@ -25,5 +25,18 @@ def micro_batches(stream, *, micro_batch_size: int, global_batch_size: int, dp_r
         for m in range(accumulation):
             first = iteration * global_batch_size + m * per_micro_step + dp_rank * micro_batch_size
             tokens, labels = stream.batch(first, micro_batch_size)
-            yield tokens.to(device), labels.to(device)
+            yield to_device(tokens, device), to_device(labels, device)
         iteration += 1
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Copy a host batch to ``device`` without waiting for it.
+
+    A copy from ordinary (pageable) host memory waits for everything the GPU has queued (the
+    previous micro-batch's backward) and blocks the host meanwhile: a full synchronisation per
+    micro-batch, after which the GPU idles while the host launches the next forward's first
+    kernels (on the FP8 reference model, 111k vs 126k tok/s at micro-batch 4 vs 8). From
+    pinned memory the copy is queued behind that work like a kernel."""
+    if device is None or torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
