@@ -10,12 +10,13 @@
 #           with --manual-gc, then micro-batch 8; the compiled FP8 test and the TE adapter tests after
 #   round3  (one GPU, `stage.sh ds te`) batches copied from pinned memory (no host sync per micro-batch):
 #           FP8 at ZeRO-1 and ZeRO-0 (profiled), bf16 compiled at ZeRO-0; the data-copy and TE tests
+#   final   (one GPU, `stage.sh ds te`) FP8 at micro-batch 8 with all of the above; the eager FP8 tests
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2 or round3}
+what=${1:?a mode: fa, round1, round2, round3 or final}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -65,6 +66,13 @@ if [ "$what" = round3 ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_transformer_engine.py \
       tests/test_data_gpt_dataset.py -k "gpu or te_ or queued" > "$OUT/logs/test_te_data.log" 2>&1
   echo "[test_te_data] rc=$? $(tail -1 "$OUT/logs/test_te_data.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_te_data.log" | head -6
+fi
+
+if [ "$what" = final ]; then
+  bench fp8_pinned_mb8 0 29640 170 --model reference --steps 14 --warmup 6 \
+      --label "1 GPU, ZeRO-1, mb 8, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, one FP8 autocast per forward, pinned batches, cuDNN attention" -- \
+      "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8
+  gpu_tests test_gpu_fp8_eager 0 200 "fp8_training and not compiled"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
