@@ -11,12 +11,14 @@
 #   round3  (one GPU, `stage.sh ds te`) batches copied from pinned memory (no host sync per micro-batch):
 #           FP8 at ZeRO-1 and ZeRO-0 (profiled), bf16 compiled at ZeRO-0; the data-copy and TE tests
 #   final   (one GPU, `stage.sh ds te`) FP8 at micro-batch 8 with all of the above; the eager FP8 tests
+#   pieces  (one GPU, `stage.sh ds te`) with TE a layer compiles only what lies between the GEMMs:
+#           FP8 at micro-batch 4 and 8, and the compiled TE tests
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3 or final}
+what=${1:?a mode: fa, round1, round2, round3, final or pieces}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -73,6 +75,14 @@ if [ "$what" = final ]; then
       --label "1 GPU, ZeRO-1, mb 8, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, one FP8 autocast per forward, pinned batches, cuDNN attention" -- \
       "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8
   gpu_tests test_gpu_fp8_eager 0 200 "fp8_training and not compiled"
+fi
+
+if [ "$what" = pieces ]; then
+  L="1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile between the GEMMs only, norms+MLP fused, FP8 weight cache, one FP8 autocast per forward, pinned batches, cuDNN attention"
+  bench fp8_pieces 0 29650 170 --model reference --steps 14 --warmup 6 --label "$L" -- "${FP8[@]}" --global-batch-size 64
+  bench fp8_pieces_mb8 0 29650 170 --model reference --steps 14 --warmup 6 --label "${L/gbs 64/mb 8, gbs 64}" -- \
+      "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8
+  gpu_tests test_gpu_te_compiled 0 240 "compiled and (transformer_engine or fp8)"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

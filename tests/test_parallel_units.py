@@ -116,6 +116,56 @@ def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
 
 
+def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_them():
+    # Transformer Engine's GEMMs cannot be traced; compiling the whole layer around them would give
+    # a graph per fragment (down to a lone residual add). Stand-ins: PyTorch GEMMs kept out of the graph.
+    import torch._dynamo.utils as dynamo_utils
+
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.specs import build_model, compile_layers
+    from hybridlm.model.weights import init_parameters
+    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.state import SINGLE
+
+    def matmul(weight, bias):
+        return torch.compiler.disable(lambda x: F.linear(x, weight, bias))
+
+    def norm_matmul(norm, weight, bias):
+        return torch.compiler.disable(lambda x: F.linear(norm(x), weight, bias))
+
+    def norm_mlp(norm, fc1_weight, fc2_weight, activation):
+        def block(x):
+            gate, up = F.linear(norm(x), fc1_weight).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, fc2_weight)
+        return torch.compiler.disable(block)
+
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16)
+    cfg.padded_vocab_size = 256
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for compiled in (False, True):
+        model = build_model(cfg, ParallelPlan(local_matmul=matmul, local_norm_matmul=norm_matmul, local_norm_mlp=norm_mlp))
+        init_parameters(model, 5, SINGLE)
+        graphs = []
+
+        def record(gm, example_inputs):
+            graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+            return gm.forward
+        if compiled:
+            torch._dynamo.reset()
+            dynamo_utils.counters.clear()
+            compile_layers(model, backend=record)
+        loss = model(tokens, tokens)
+        loss.backward()
+        results[compiled] = (loss.item(), {n: p.grad for n, p in model.named_parameters()}, graphs)
+    (loss, grads, _), (compiled_loss, compiled_grads, graphs) = results[False], results[True]
+    assert compiled_loss == pytest.approx(loss, rel=1e-6)
+    for name, grad in grads.items():
+        assert torch.allclose(compiled_grads[name], grad, rtol=1e-5, atol=1e-7), name
+    assert len(graphs) == 1, graphs  # attention's middle, shared by the three layers
+    assert any("scaled_dot_product_attention" in target for target in graphs[0]), graphs[0]
+
+
 def _compiled_tp_graphs(flags: list[str]) -> list[list[str]]:
     """Train one micro-batch with compiled layers under TP; return each captured graph's call targets."""
     import torch.distributed as dist

@@ -102,7 +102,11 @@ class Attention(nn.Module):
             return self.core(q, k, v, self.dropout)
 
     def forward(self, x):
-        q, k, v = self.qkv(x).split(self.qkv.local_sizes, dim=-1)
+        return self.proj(self.mix(self.qkv(x)))
+
+    def mix(self, qkv):
+        """What lies between the two linears: split into heads, RoPE, attention, merge heads."""
+        q, k, v = qkv.split(self.qkv.local_sizes, dim=-1)
         s, b = q.shape[:2]
         q = q.view(s, b, -1, self.head_dim)
         k = k.reshape(s, b, -1, self.head_dim)
@@ -113,8 +117,7 @@ class Attention(nn.Module):
             out = self.plan.checkpoint(self._core, q, k, v)
         else:
             out = self._core(q, k, v)
-        out = out.reshape(s, b, -1)
-        return self.proj(out)
+        return out.reshape(s, b, -1)
 
 
 class MLP(nn.Module):
@@ -138,12 +141,10 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.fused is not None:
             return self.fused(x)
-        h = self.fc1(x)
-        if self.swiglu is not None:
-            h = self.swiglu(h)
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return self.fc2(h)
+        return self.fc2(self.activation(self.fc1(x)))
+
+    def activation(self, h):
+        return self.swiglu(h) if self.swiglu is not None else F.gelu(h, approximate="tanh")
 
 
 class MoEMLP(nn.Module):
@@ -198,8 +199,27 @@ class TransformerLayer(nn.Module):
 
     def compile_body(self, backend="inductor") -> None:
         """torch.compile the layer's computation, leaving ``layer_context`` (Transformer
-        Engine's FP8 autocast, which dynamo cannot trace) and recompute outside the graph."""
-        self._forward = torch.compile(self._forward, backend=backend)
+        Engine's FP8 autocast, which dynamo cannot trace) and recompute outside the graph.
+
+        When the GEMMs run outside compiled graphs (Transformer Engine's), compiling the whole
+        body would cut it into a graph per fragment between them, each costing a guard check
+        and a compiled-function call forward and backward, for fragments as small as a residual
+        add; then only the pieces worth fusing are compiled: attention's middle (RoPE and the
+        attention core), the activation and the norms that no GEMM took over."""
+        if not self.plan.gemms_outside_graphs:
+            self._forward = torch.compile(self._forward, backend=backend)
+            return
+        self.attention.mix = torch.compile(self.attention.mix, backend=backend)
+        if not self.attention.qkv.owns_norm:
+            self.input_norm.compile(backend=backend)
+        if isinstance(self.mlp, MLP):
+            if not self.mlp.owns_norm:
+                self.post_attention_norm.compile(backend=backend)
+            if self.mlp.fused is None:
+                self.mlp.activation = torch.compile(self.mlp.activation, backend=backend)
+        else:
+            self.post_attention_norm.compile(backend=backend)
+            self.mlp.compile(backend=backend)
 
     def forward(self, x):
         with self.plan.layer_context():

@@ -46,6 +46,12 @@ class ParallelPlan:
         self.kernels = kernels or reference_kernels()
         self.compiled_loss = None
 
+    @property
+    def gemms_outside_graphs(self) -> bool:
+        """Whether the linears' GEMMs belong to another library (TE), which compiled graphs
+        cannot contain: then a layer compiles only the pieces between them."""
+        return self.local_matmul is not None or self.local_norm_matmul is not None or self.local_norm_mlp is not None
+
     # ---- layers
     def column_linear(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, init_std: float,
                       input_norm: nn.Module | None = None) -> ColumnParallelLinear:
