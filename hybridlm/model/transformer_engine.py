@@ -44,9 +44,9 @@ class TELocalMatmul:
 
     @torch.compiler.disable
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # Under --torch-compile the layer's graphs break around TE's GEMM (TE's autograd
-        # functions and FP8 scaling state are not traceable); the norms, RoPE, attention and
-        # SwiGLU between the GEMMs still compile.
+        # Outside compiled graphs: TE's autograd functions and FP8 scaling state are not
+        # traceable, so under --torch-compile a layer compiles only what lies between its GEMMs
+        # (TransformerLayer.compile_body).
         return self.linear(x, is_first_microbatch=self.phase.first)
 
 
