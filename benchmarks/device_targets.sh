@@ -18,6 +18,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 REF=(--model reference --steps 20 --warmup 6)
 source benchmarks/device_common.sh
 
+nooffload() {  # gpu port layers...: the 7B shape cut to fewer layers, no offload, seq 2048, mb 1
+  local gpu=$1 port=$2; shift 2
+  for layers in "$@"; do
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench nooffload_L$layers "$gpu" "$port" 160 --model llama2-7b --steps 3 --warmup 1 \
+        --label "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, $layers layers" -- \
+        --num-layers $layers --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 \
+        --recompute-granularity full --deepspeed_config ds_configs/zero2.json
+  done
+}
+
 if [ "$what" = attention ]; then
   python3 -c "import flash_attn.cute; print('flash-attn-4 imports')" || exit 1
   python3 benchmarks/attention.py --batch 4 --heads 16 --seq 4096 --head-dim 128 --results-file "$OUT/rows_attn.md"
@@ -83,12 +93,7 @@ fi
 if [ "$what" = final ]; then
   ( gpu_tests test_gpu_compile 0,1 330 "torch_compile_on_two_gpus" > "$OUT/pair0.txt" 2>&1 ) &
   ( gpu_tests test_gpu_fp8 2 330 "fp8" > "$OUT/pair1.txt" 2>&1 ) &
-  ( for layers in 32 33; do
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench nooffload_L$layers 3 29563 160 --model llama2-7b --steps 3 --warmup 1 \
-          --label "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, $layers layers" -- \
-          --num-layers $layers --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 \
-          --recompute-granularity full --deepspeed_config ds_configs/zero2.json
-    done > "$OUT/lane3.txt" 2>&1 ) &
+  ( nooffload 3 29563 32 33 > "$OUT/lane3.txt" 2>&1 ) &
   wait
   cat "$OUT"/pair*.txt "$OUT/lane3.txt"
   bench 7b_tp2_dp2_mb2_compile 0,1,2,3 29571 280 --model llama2-7b --steps 6 --warmup 3 \
@@ -100,12 +105,7 @@ fi
 # Model size bounds on one H200: without offload (7B at 32 layers did not fit: DeepSpeed's fp32
 # gradient buffer on top of 113 GiB), and a ~19B shape with CPU offload (13B trained).
 if [ "$what" = sizes ]; then
-  ( for layers in 28 30; do
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench nooffload_L$layers 0 29580 160 --model llama2-7b --steps 3 --warmup 1 \
-          --label "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, $layers layers" -- \
-          --num-layers $layers --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 \
-          --recompute-granularity full --deepspeed_config ds_configs/zero2.json
-    done > "$OUT/lane0.txt" 2>&1 ) &
+  ( nooffload 0 29580 28 30 > "$OUT/lane0.txt" 2>&1 ) &
   ( bench offload_19b 1 29581 500 --model llama2-13b --steps 2 --warmup 1 \
       --label "1 GPU, ZeRO-3 + CPU offload (params and optimizer), full recompute, seq 2048, mb 1, 60 layers" -- \
       --num-layers 60 --seq-length 2048 --bf16 --micro-batch-size 1 --global-batch-size 1 --recompute-granularity full \

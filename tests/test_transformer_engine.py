@@ -106,7 +106,7 @@ def test_te_norm_mlp_block_computes_the_pytorch_block_on_our_parameters(normaliz
     block = TELocalNormMLP(norm, fc1, fc2, activation)
     got = block(x)
     got_grads = torch.autograd.grad(got.float().sum(), params)
-    assert all(any(p is q for q in params) for p in block.fused.parameters()), "TE holds weights of its own"
+    assert all(any(p is q for q in params) for p in block.module.parameters()), "TE holds weights of its own"
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2)
     for name, g, w in zip(["x", "fc1", "fc2", "norm weight", "norm bias"], got_grads, want_grads):
         error = (g.float() - w).norm() / w.norm()

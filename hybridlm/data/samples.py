@@ -35,8 +35,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     A copy from ordinary (pageable) host memory waits for everything the GPU has queued (the
     previous micro-batch's backward) and blocks the host meanwhile: a full synchronisation per
     micro-batch, after which the GPU idles while the host launches the next forward's first
-    kernels (on the FP8 reference model, 111k vs 126k tok/s at micro-batch 4 vs 8). From
-    pinned memory the copy is queued behind that work like a kernel."""
+    kernels. From pinned memory the copy is queued behind that work like a kernel (the FP8
+    reference model on one H200: 114,981 vs 111,134 tok/s, benchmarks/RESULTS.md)."""
     if device is None or torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

@@ -32,7 +32,21 @@ class MicroBatchPhase:
     first: Optional[bool] = None
 
 
-class TELocalMatmul:
+class _TEModuleCall:
+    """Calls a TE module (``self.module``) outside compiled graphs, telling it where in the step it runs.
+
+    TE's autograd functions and FP8 scaling state are not traceable, so under --torch-compile a
+    layer compiles only what lies between its GEMMs (``TransformerLayer.compile_body``)."""
+
+    module: nn.Module
+    phase: MicroBatchPhase
+
+    @torch.compiler.disable
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x, is_first_microbatch=self.phase.first)
+
+
+class TELocalMatmul(_TEModuleCall):
     """y = x W^T (+ b) through ``transformer_engine.pytorch.Linear`` on the caller's parameters."""
 
     def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter], phase: Optional[MicroBatchPhase] = None):
@@ -40,17 +54,10 @@ class TELocalMatmul:
         out_features, in_features = weight.shape
         linear = te.Linear(in_features, out_features, bias=bias is not None, params_dtype=weight.dtype, device=weight.device)
         _adopt(linear, weight=weight, bias=bias)
-        self.linear, self.phase = linear, phase or MicroBatchPhase()
-
-    @torch.compiler.disable
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # Outside compiled graphs: TE's autograd functions and FP8 scaling state are not
-        # traceable, so under --torch-compile a layer compiles only what lies between its GEMMs
-        # (TransformerLayer.compile_body).
-        return self.linear(x, is_first_microbatch=self.phase.first)
+        self.module, self.phase = linear, phase or MicroBatchPhase()
 
 
-class TELocalNormMatmul:
+class TELocalNormMatmul(_TEModuleCall):
     """y = norm(x) W^T (+ b) through ``transformer_engine.pytorch.LayerNormLinear``: the norm and
     the GEMM's input cast (FP8 under autocast) in one kernel, on the caller's parameters.
 
@@ -66,14 +73,10 @@ class TELocalNormMatmul:
         fused = te.LayerNormLinear(in_features, out_features, eps=float(norm.eps), bias=bias is not None,
                                    normalization=_normalization(norm), params_dtype=weight.dtype, device=weight.device)
         _adopt(fused, **_norm_params(norm), weight=weight, bias=bias)
-        self.fused, self.phase = fused, phase or MicroBatchPhase()
-
-    @torch.compiler.disable
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x, is_first_microbatch=self.phase.first)
+        self.module, self.phase = fused, phase or MicroBatchPhase()
 
 
-class TELocalNormMLP:
+class TELocalNormMLP(_TEModuleCall):
     """y = act(norm(x) W1^T) W2^T through ``transformer_engine.pytorch.LayerNormMLP``, on the
     caller's parameters (this rank's shards: W1's rows, W2's columns; no biases).
 
@@ -92,11 +95,7 @@ class TELocalNormMLP:
                                 activation=self.ACTIVATIONS[activation], params_dtype=fc1_weight.dtype,
                                 device=fc1_weight.device)
         _adopt(fused, **_norm_params(norm), fc1_weight=fc1_weight, fc2_weight=fc2_weight)
-        self.fused, self.phase = fused, phase or MicroBatchPhase()
-
-    @torch.compiler.disable
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x, is_first_microbatch=self.phase.first)
+        self.module, self.phase = fused, phase or MicroBatchPhase()
 
 
 def _normalization(norm: nn.Module) -> str:
