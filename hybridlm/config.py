@@ -68,6 +68,8 @@ class ModelConfig:
     fused_ops: str = _f("auto", "Fused kernels built through DeepSpeed's op builder: auto (each where it beats torch.compile on this device), all, none, or a comma list of rmsnorm,rope,swiglu.")
     require_fused_ops: bool = _f(False, "Stop when a requested fused kernel cannot be built, instead of falling back to PyTorch.")
     torch_compile: bool = _f(False, "torch.compile each transformer layer, and the cross-entropy with TP=1 (fuses norms, RoPE, SwiGLU and residuals; the first steps pay the compile).")
+    cuda_graphs: bool = _f(False, "Capture each transformer layer's forward and backward as CUDA graphs (Transformer Engine's make_graphed_callables, FP8 included) and replay them in training: for runs whose GPU waits on Python.",
+                           aliases=("--external-cuda-graph",))
     num_experts: Optional[int] = _f(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
     moe_layer_freq: int = _f(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
     moe_ffn_hidden_size: Optional[int] = _f(None, "Inner width of each expert (default: --ffn-hidden-size).")
@@ -273,6 +275,8 @@ class RunConfig:
         if m.torch_compile and ep > 1:
             raise ConfigError(f"--torch-compile cannot be combined with --expert-model-parallel-size {ep} yet: the expert "
                               "all-to-all has not been checked inside compiled layers on NCCL; compile works with EP=1 under TP, DP, PP and ZeRO.")
+        if m.cuda_graphs:
+            self._check_cuda_graphs(tp, pp)
         if m.fp8_format and not t.bf16:
             raise ConfigError(f"--fp8-format {m.fp8_format} needs --bf16: FP8 runs inside a bf16 model.")
         if t.micro_batch_size < 1:
@@ -303,6 +307,20 @@ class RunConfig:
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         return self
+
+    def _check_cuda_graphs(self, tp: int, pp: int) -> None:
+        """What a captured layer cannot replay, or has not been checked with (one refusal each)."""
+        m, p = self.model, self.parallel
+        refusal = next((why for bad, why in (
+            (pp > 1, f"--pipeline-model-parallel-size {pp}: the pipeline engine runs its own micro-batch schedule"),
+            (tp > 1, f"--tensor-model-parallel-size {tp}: TP collectives inside captured graphs have not been checked yet"),
+            (m.num_experts is not None, "--num-experts: routing sends each expert a different number of tokens every micro-batch"),
+            (p.recompute_granularity is not None, f"--recompute-granularity {p.recompute_granularity}: recompute re-enters the layer in backward"),
+            (m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout: its RNG tracker swaps generator states, which a replay would not"),
+            (p.zero_stage == 3, f"ZeRO stage 3 (from {self.train.deepspeed_config}): it gathers parameters in module hooks"),
+        ) if bad), None)
+        if refusal:
+            raise ConfigError(f"--cuda-graphs cannot be combined with {refusal}.")
 
     def _check_moe_layout(self, tp: int, ep: int) -> None:
         m = self.model

@@ -20,15 +20,16 @@ pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 
 
-def _launch(gpus: int, flags: list[str], metrics) -> list[float]:
+def _launch(gpus: int, flags: list[str], metrics, log_says: str | None = None) -> list[float]:
     bin_dir = os.path.dirname(sys.executable)
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port())]
     result = subprocess.run([*launcher, "--num_gpus", str(gpus), "scripts/pretrain.py", *flags, "--metrics-file", str(metrics)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert log_says is None or log_says in result.stdout, f"the log does not say {log_says!r}"
     with open(metrics) as f:
-        records = [json.loads(line) for line in f]
+        records = [r for r in map(json.loads, f) if "loss" in r]  # training steps (evaluations say valid_loss)
     assert all("max_memory_gib" in r for r in records), "the run did not train on CUDA"
     return [r["loss"] for r in records]
 
@@ -124,3 +125,20 @@ def test_torch_compile_on_two_gpus_tracks_one_gpu(tmp_path, layout):
     two = _launch(2, flags + layout, tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: compiled 2-GPU loss {b} vs compiled 1-GPU {a}"
+
+
+@has_te
+@pytest.mark.parametrize("impl", [[], ["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--torch-compile"]],
+                         ids=["local_bf16", "te_fp8_compiled"])
+def test_cuda_graphs_train_as_the_uncaptured_layers_do(tmp_path, impl):
+    # Four micro-batches a step through DeepSpeed ZeRO-1 (its gradient hooks, its flat parameter
+    # buffers updated in place), with evaluations between steps running the layers uncaptured.
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
+             "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", *impl]
+    eager = _launch(1, flags, tmp_path / "eager.jsonl")
+    graphed = _launch(1, flags + ["--cuda-graphs"], tmp_path / "graphed.jsonl", log_says="captured 4 layers as CUDA graphs")
+    for step, (a, b) in enumerate(zip(eager, graphed), start=1):
+        assert abs(a - b) <= 2e-3 * abs(a), f"step {step}: loss with CUDA graphs {b} vs without {a}"
+    valid = [[r["valid_loss"] for r in map(json.loads, open(tmp_path / name)) if "valid_loss" in r]
+             for name in ("eager.jsonl", "graphed.jsonl")]
+    assert len(valid[0]) == 3 and all(abs(a - b) <= 2e-3 * abs(a) for a, b in zip(*valid)), f"validation losses {valid}"

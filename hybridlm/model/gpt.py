@@ -163,7 +163,8 @@ class MoEMLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     """Pre-norm block number ``layer_number`` (0-based; it decides MoE or dense MLP).
-    ``recompute`` (set by ``apply_recompute``) recomputes it in backward."""
+    ``recompute`` (set by ``apply_recompute``) recomputes it in backward; ``graph`` (set by
+    ``cuda_graphs.capture_layers``) replays it in training instead of running this code."""
 
     def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, layer_number: int = 0, selective_recompute: bool = False):
         super().__init__()
@@ -177,6 +178,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(cfg, plan, input_norm=self.post_attention_norm)
         self.dropout = cfg.hidden_dropout
         self.recompute = False
+        self.graph = None
 
     def attention_input(self, x):
         """What the attention block takes: the normalised residual, or the residual itself when
@@ -222,6 +224,8 @@ class TransformerLayer(nn.Module):
             self.mlp.compile(backend=backend)
 
     def forward(self, x):
+        if self.graph is not None and self.training:
+            return self.graph(x)  # FP8 autocast: the model's, around all layers
         with self.plan.layer_context():
             if self.recompute and self.training:
                 return self.plan.checkpoint(self._forward, x)

@@ -85,9 +85,14 @@ def local_layers(model: nn.Module) -> list:
     return list(model.forward_funcs)
 
 
+def transformer_layers(model: nn.Module) -> list:
+    """This rank's transformer layers, in order."""
+    return [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
+
+
 def apply_recompute(model: nn.Module, num_layers: int | None) -> int:
     """Full recompute for the first ``num_layers`` transformer layers of this stage (all if None)."""
-    blocks = [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
+    blocks = transformer_layers(model)
     chosen = blocks if num_layers is None else blocks[:num_layers]
     for block in chosen:
         block.recompute = True
@@ -100,7 +105,7 @@ def compile_layers(model: nn.Module, backend="inductor") -> int:
     All layers share their graphs: dynamo treats module parameters as inputs, so the
     compile happens once per distinct layer shape, not once per layer. Under TP each layer
     is several graphs, split at the collectives (which run eagerly: ``parallel.sequence``)."""
-    blocks = [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
+    blocks = transformer_layers(model)
     for block in blocks:
         block.compile_body(backend)
     return len(blocks)

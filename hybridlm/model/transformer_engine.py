@@ -98,6 +98,25 @@ class TELocalNormMLP(_TEModuleCall):
         self.module, self.phase = fused, phase or MicroBatchPhase()
 
 
+def te_modules_in(module: nn.Module) -> list[nn.Module]:
+    """The TE modules that ``module``'s adapters call: off the module tree, ``modules()`` misses them."""
+    found = {id(v.module): v.module for m in module.modules() for v in vars(m).values() if isinstance(v, _TEModuleCall)}
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def fp8_scaling_kept(modules: list[nn.Module]):
+    """TE modules leave with the FP8 scales and amax histories they came in with (sample passes
+    inside, e.g. CUDA graph capture's, whose gradients are uninitialised memory, must not steer
+    the scaling of the real ones); a module not yet run leaves fresh."""
+    saved = [(m, m.get_fp8_meta_tensors()) for m in modules]
+    try:
+        yield
+    finally:
+        for m, tensors in saved:
+            m.reset_fp8_meta_tensors(tensors)
+
+
 def _normalization(norm: nn.Module) -> str:
     return "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
 

@@ -28,7 +28,8 @@ from ..data.gpt_dataset import build_gpt_datasets
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import resolve_backend
-from ..model.specs import apply_recompute, build_model, compile_layers
+from ..model.cuda_graphs import capture_layers
+from ..model.specs import apply_recompute, build_model, compile_layers, transformer_layers
 from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
                                         fp8_recipe)
 from ..model.weights import init_parameters
@@ -72,7 +73,12 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     checkpoint.check_load(cfg.train.load, cfg.train.ckpt_step, cfg)
     StepProfiler.parse(cfg.train.profile_step_range)
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
-    return cfg, finalize_ds_config(ds, cfg)
+    ds = finalize_ds_config(ds, cfg)
+    offloaded = [w for w in ("optimizer", "param") if offload_device(ds, w)]
+    if cfg.model.cuda_graphs and offloaded:
+        raise ConfigError(f"--cuda-graphs cannot be combined with offload_{offloaded[0]} (in {cfg.train.deepspeed_config}): "
+                          "captured graphs with offloaded ZeRO state have not been checked.")
+    return cfg, ds
 
 
 def check_model_impl(cfg: RunConfig) -> str:
@@ -82,6 +88,9 @@ def check_model_impl(cfg: RunConfig) -> str:
         backend, why = resolve_backend(m.attention_backend, m.attention_dropout)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if m.cuda_graphs and (importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available()):
+        raise ConfigError("--cuda-graphs needs a CUDA GPU and Transformer Engine, whose make_graphed_callables captures the layers "
+                          "(pip install transformer-engine[pytorch]).")
     if m.transformer_impl == "transformer_engine":
         if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
             raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU "
@@ -165,7 +174,19 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
+    if cfg.model.cuda_graphs:
+        capture(run, recipe)
     return run
+
+
+def capture(run: Run, recipe) -> None:
+    """Capture the layers as CUDA graphs, after DeepSpeed placed the parameters and any resume loaded them."""
+    m, t = run.cfg.model, run.cfg.train
+    layers = transformer_layers(run.engine.module)
+    start = time.perf_counter()
+    capture_layers(layers, (m.seq_length, t.micro_batch_size, m.hidden_size), recipe=recipe, phase=run.phase)
+    if dist.get_rank() == 0:
+        print(f"captured {len(layers)} layers as CUDA graphs in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def build_datasets(cfg: RunConfig) -> tuple:

@@ -1,0 +1,147 @@
+"""--cuda-graphs: captured layers train exactly as the uncaptured ones, and what cannot be captured is refused.
+
+The capture itself needs a CUDA GPU with Transformer Engine (its make_graphed_callables); the
+refusals and the pausing of gradient hooks during capture are checked everywhere.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from hybridlm.config import ConfigError, parse_args
+from hybridlm.model.cuda_graphs import grad_hooks_paused
+from oracle import TINY
+
+has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+if has_te:
+    import transformer_engine.pytorch  # noqa: F401  (before torch initialises cuDNN: see test_attention)
+needs_te = pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")
+
+
+def test_gradient_hooks_do_not_fire_while_paused_and_their_handles_still_work_after():
+    # DeepSpeed keeps its gradient bookkeeping in post-accumulate-grad hooks; capture's sample
+    # backward passes must not reach it (nor be recorded into the graph).
+    weight = torch.nn.Parameter(torch.ones(3))
+    calls = []
+    handle = weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    with grad_hooks_paused([weight]):
+        (2 * weight).sum().backward()
+    assert calls == []
+    (3 * weight).sum().backward()
+    assert len(calls) == 1 and torch.equal(calls[0], torch.full((3,), 5.0))
+    handle.remove()
+    weight.sum().backward()
+    assert len(calls) == 1, "the handle DeepSpeed holds no longer removes its hook"
+
+
+@pytest.mark.parametrize("flags, zero_stage, sentence", [
+    (["--pipeline-model-parallel-size", "2"], 1, "--pipeline-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", "2"], 1, "--tensor-model-parallel-size 2"),
+    (["--num-experts", "4"], 1, "--num-experts"),
+    (["--recompute-granularity", "full"], 1, "--recompute-granularity full"),
+    (["--hidden-dropout", "0.1"], 1, "dropout"),
+    ([], 3, "ZeRO stage 3"),
+], ids=["pp", "tp", "moe", "recompute", "dropout", "zero3"])
+def test_layouts_a_captured_layer_cannot_replay_are_refused_before_any_process_group(flags, zero_stage, sentence):
+    cfg = parse_args(TINY + ["--cuda-graphs"] + flags)
+    cfg.parallel.zero_stage = zero_stage  # what the DeepSpeed JSON would say
+    with pytest.raises(ConfigError, match=f"--cuda-graphs cannot be combined with {sentence}"):
+        cfg.validate(world_size=2)
+
+
+@pytest.mark.skipif(has_te, reason="checks the refusal on a machine without a GPU or Transformer Engine")
+def test_without_a_gpu_and_transformer_engine_the_flag_is_refused():
+    from hybridlm.training.trainer import check_model_impl
+    cfg = parse_args(TINY + ["--cuda-graphs"]).validate(world_size=1)
+    with pytest.raises(ConfigError, match="--cuda-graphs needs a CUDA GPU and Transformer Engine"):
+        check_model_impl(cfg)
+
+
+def _tiny_layers(fp8: bool):
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.gpt import TransformerLayer
+    from hybridlm.model.transformer_engine import MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP
+    from hybridlm.parallel.plan import ParallelPlan
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+                      seq_length=32, vocab_size=512)
+    phase = MicroBatchPhase()
+    te = dict(local_matmul=lambda w, b: TELocalMatmul(w, b, phase),
+              local_norm_matmul=lambda n, w, b: TELocalNormMatmul(n, w, b, phase),
+              local_norm_mlp=lambda n, w1, w2, a: TELocalNormMLP(n, w1, w2, a, phase)) if fp8 else {}
+    plan = ParallelPlan(device="cuda", dtype=torch.bfloat16, **te)
+    layers = [TransformerLayer(cfg, plan, layer_number=i) for i in range(cfg.num_layers)]
+    generator = torch.Generator("cuda").manual_seed(0)
+    with torch.no_grad():
+        for p in (p for layer in layers for p in layer.parameters() if p.dim() == 2):
+            p.normal_(0, 0.05, generator=generator)
+    return layers, phase
+
+
+def _micro_batches(layers, inputs, phase, context):
+    """Forward and backward of ``inputs`` through ``layers`` as one step's micro-batches; outputs and accumulated grads."""
+    outputs = []
+    for index, x in enumerate(inputs):
+        phase.first = index == 0
+        x = x.clone().requires_grad_()
+        with context():
+            y = x
+            for layer in layers:
+                y = layer(y)
+        y.float().square().mean().backward()
+        outputs.append((y.detach(), x.grad))
+    phase.first = None
+    return outputs, [p.grad.clone() for layer in layers for p in layer.parameters()]
+
+
+@needs_te
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_step(fp8):
+    # Three micro-batches in one step: a replay that overwrote the previous micro-batch's
+    # gradients, or fed DeepSpeed's hooks the capture's sample passes, would show here.
+    import contextlib
+
+    from transformer_engine.common import recipe as te_recipe
+
+    from hybridlm.model.cuda_graphs import capture_layers
+    from hybridlm.model.transformer_engine import fp8_context
+    layers, phase = _tiny_layers(fp8)
+    reference, reference_phase = _tiny_layers(fp8)  # same parameters, its own (uncaptured) TE modules
+    recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID) if fp8 else None
+    context = (lambda: fp8_context(recipe)) if fp8 else contextlib.nullcontext
+    hook_calls = []
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.register_post_accumulate_grad_hook(lambda p: hook_calls.append(p))
+    shape = (32, 2, 64)
+    capture_layers(layers, shape, recipe=recipe, phase=phase)
+    assert hook_calls == [], "capture's sample backward passes reached the parameters' gradient hooks"
+
+    inputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(i))
+              for i in range(3)]
+    captured, captured_grads = _micro_batches(layers, inputs, phase, context)
+    eager, eager_grads = _micro_batches(reference, inputs, reference_phase, context)
+    n_params = sum(1 for layer in layers for _ in layer.parameters())
+    assert len(hook_calls) == 3 * n_params, "the hooks DeepSpeed relies on did not fire once per parameter and micro-batch"
+    for index, ((y_g, dx_g), (y_e, dx_e)) in enumerate(zip(captured, eager)):
+        assert _relative_error(y_g, y_e) < 1e-3, f"micro-batch {index}: output"
+        assert _relative_error(dx_g, dx_e) < 1e-3, f"micro-batch {index}: input gradient"
+    for index, (g, e) in enumerate(zip(captured_grads, eager_grads)):
+        assert _relative_error(g, e) < 1e-3, f"parameter {index}: gradient accumulated over the step"
+
+
+def _relative_error(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_te
+def test_evaluation_runs_the_layers_uncaptured_and_another_shape_is_refused_in_one_sentence():
+    from hybridlm.model.cuda_graphs import capture_layers
+    layers, phase = _tiny_layers(fp8=False)
+    capture_layers(layers, (32, 2, 64), phase=phase)
+    x = torch.randn(16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"--cuda-graphs: the layers were captured for activations of shape \(32, 2, 64\)"):
+        layers[0](x)
+    layers[0].eval()
+    with torch.no_grad():
+        assert layers[0](x).shape == x.shape
