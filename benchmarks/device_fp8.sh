@@ -90,7 +90,7 @@ fi
 
 L_GRAPHS="1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile between the GEMMs, --cuda-graphs, norms+MLP fused, FP8 weight cache, pinned batches, cuDNN attention"
 if [ "$what" = graphs ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > "$OUT/logs/test_graphs.log" 2>&1
+  CUDA_LAUNCH_BLOCKING=1 CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py > "$OUT/logs/test_graphs.log" 2>&1
   echo "[test_graphs] rc=$? $(tail -1 "$OUT/logs/test_graphs.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_graphs.log" | head -8
   gpu_tests test_gpu_graphs 0 220 "cuda_graphs"
   bench fp8_graphs 0 29660 170 --model reference --steps 14 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 \

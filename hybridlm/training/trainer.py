@@ -183,10 +183,25 @@ def capture(run: Run, recipe) -> None:
     """Capture the layers as CUDA graphs, after DeepSpeed placed the parameters and any resume loaded them."""
     m, t = run.cfg.model, run.cfg.train
     layers = transformer_layers(run.engine.module)
+    release_parameter_views(p for layer in layers for p in layer.parameters())
     start = time.perf_counter()
     capture_layers(layers, (m.seq_length, t.micro_batch_size, m.hidden_size), recipe=recipe, phase=run.phase)
     if dist.get_rank() == 0:
         print(f"captured {len(layers)} layers as CUDA graphs in {time.perf_counter() - start:.1f} s", flush=True)
+
+
+def release_parameter_views(params) -> None:
+    """Detach the views of parameters that DeepSpeed's ZeRO 1/2 keep for their fp32 mapping
+    (``param._hp_mapping.lp_fragment = param.flatten().narrow(...)``, made with grad enabled).
+
+    Such a view keeps the parameter's gradient-accumulation node alive, and with it the stream
+    it was made on (the default stream); a backward pass captured on another stream then has
+    to wait on the default stream, which capture forbids. The detached view is the same memory."""
+    for param in params:
+        mapping = getattr(param, "_hp_mapping", None)
+        fragment = getattr(mapping, "lp_fragment", None)
+        if fragment is not None and fragment.grad_fn is not None:
+            mapping.lp_fragment = fragment.detach()
 
 
 def build_datasets(cfg: RunConfig) -> tuple:
