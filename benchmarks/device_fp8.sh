@@ -15,13 +15,15 @@
 #           FP8 at micro-batch 4 and 8, and the compiled TE tests
 #   graphs  (one GPU, `stage.sh ds te`) the CUDA-graph tests, then FP8 with each layer captured as CUDA
 #           graphs (--cuda-graphs) at micro-batch 4, profiled
+#   graphs_final (one GPU, `stage.sh ds te`) after cuDNN attention was kept out of small captured layers:
+#           the CUDA-graph and attention tests, then FP8 with --cuda-graphs at micro-batch 8
 #   graphs2 (the same warm machine) --cuda-graphs: FP8 at micro-batch 8, bf16 compiled at micro-batch 4
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs or graphs2}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final or graphs2}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -95,6 +97,14 @@ if [ "$what" = graphs ]; then
   gpu_tests test_gpu_graphs 0 220 "cuda_graphs"
   bench fp8_graphs 0 29660 170 --model reference --steps 14 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 \
       --cuda-graphs --profile-step-range 10,11 --profile-dir "$OUT/prof/fp8_graphs"
+fi
+
+if [ "$what" = graphs_final ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_attention.py > "$OUT/logs/test_graphs.log" 2>&1
+  echo "[test_graphs] rc=$? $(tail -1 "$OUT/logs/test_graphs.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_graphs.log" | head -8
+  gpu_tests test_gpu_graphs 0 240 "cuda_graphs"
+  bench fp8_graphs_mb8 0 29660 150 --model reference --steps 14 --warmup 6 --label "${L_GRAPHS/gbs 64/mb 8, gbs 64}" -- \
+      "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8 --cuda-graphs
 fi
 
 if [ "$what" = graphs2 ]; then

@@ -103,6 +103,11 @@ class ModelConfig:
             self._check_moe()
         self.fused_op_names()  # refuses an unknown name now, not at model build
 
+    @property
+    def graphed_attention_shape(self) -> Optional[tuple[int, int]]:
+        """(head dim, sequence length) when the layers are captured as CUDA graphs, for the attention backend's choice."""
+        return (self.kv_channels, self.seq_length) if self.cuda_graphs else None
+
     def fused_op_names(self) -> Optional[tuple[str, ...]]:
         """--fused-ops as names of kernels; None means "auto" (each op's own default for the device).
         With --torch-compile, auto means none: inductor fuses these elementwise chains itself, and

@@ -98,7 +98,7 @@ def _tiny_layers(fp8: bool):
     from hybridlm.model.transformer_engine import MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP
     from hybridlm.parallel.plan import ParallelPlan
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                      seq_length=32, vocab_size=512)
+                      seq_length=32, vocab_size=512, attention_backend="sdpa")  # cuDNN's is not captured this small
     phase = MicroBatchPhase()
     te = dict(local_matmul=lambda w, b: TELocalMatmul(w, b, phase),
               local_norm_matmul=lambda n, w, b: TELocalNormMatmul(n, w, b, phase),
@@ -178,3 +178,14 @@ def test_evaluation_runs_the_layers_uncaptured_and_another_shape_is_refused_in_o
     layers[0].eval()
     with torch.no_grad():
         assert layers[0](x).shape == x.shape
+
+
+@needs_te
+def test_cudnn_attention_is_captured_only_at_the_shapes_it_was_checked_at():
+    # Captured at head dim 16, sequence 32, cuDNN's attention backward read invalid memory (H200);
+    # at head dim 128 it ran right. Below that, auto takes another kernel and cudnn is refused.
+    from hybridlm.model.attention_backends import resolve_backend
+    assert resolve_backend("auto", graphed_shape=(16, 32))[0] != "cudnn"
+    with pytest.raises(ValueError, match="--attention-backend cudnn cannot be combined with --cuda-graphs at head dim 16"):
+        resolve_backend("cudnn", graphed_shape=(16, 32))
+    assert resolve_backend("cudnn", graphed_shape=(128, 2048))[0] == "cudnn"

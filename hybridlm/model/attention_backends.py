@@ -124,20 +124,34 @@ def _available(name: str) -> tuple[bool, str]:
     raise ValueError(name)
 
 
-def resolve_backend(name: str, attention_dropout: float = 0.0) -> tuple[str, str]:
-    """(backend, why) for ``--attention-backend name``; raises ValueError (one sentence) if unusable."""
+# cuDNN's fused attention inside CUDA graphs (--cuda-graphs): its captured backward read invalid
+# memory at head dim 16, sequence 32 (H200, torch 2.11, 2026-11-23) and ran right at head dim 128,
+# sequence 256 and 2048; shapes below this (head dim, sequence) take torch's SDPA instead.
+CUDNN_IN_GRAPHS_FROM = (128, 256)
+
+
+def resolve_backend(name: str, attention_dropout: float = 0.0, graphed_shape: tuple[int, int] | None = None) -> tuple[str, str]:
+    """(backend, why) for ``--attention-backend name``; raises ValueError (one sentence) if unusable.
+    ``graphed_shape``: (head dim, sequence length) when the layers are captured as CUDA graphs."""
+    cudnn_fits_graphs = graphed_shape is None or all(a >= b for a, b in zip(graphed_shape, CUDNN_IN_GRAPHS_FROM))
     if name != "auto":
         ok, why_not = _available(name)
         if not ok:
             raise ValueError(f"--attention-backend {name} is not usable here: {why_not}.")
         if name == "flash" and attention_dropout and _flash_function()[1] == "4":
             raise ValueError("--attention-backend flash (flash-attn-4) has no attention dropout; use cudnn or --attention-dropout 0.")
+        if name == "cudnn" and not cudnn_fits_graphs:
+            raise ValueError(f"--attention-backend cudnn cannot be combined with --cuda-graphs at head dim {graphed_shape[0]} and "
+                             f"sequence {graphed_shape[1]}: captured, cuDNN's attention backward read invalid memory at small shapes "
+                             f"(checked from {CUDNN_IN_GRAPHS_FROM[0]} and {CUDNN_IN_GRAPHS_FROM[1]} up); use sdpa or flash.")
         return name, "requested"
     flash, version = _flash_function() if torch.cuda.is_available() else (None, "")
     if flash is not None and not (attention_dropout and version == "4"):
         return "flash", f"auto: flash-attn {version} is installed"
     if _available("cudnn")[0] and torch.cuda.get_device_capability() >= (9, 0):
-        return "cudnn", "auto: no flash-attn; cuDNN fused attention on a Hopper-class GPU"
+        if cudnn_fits_graphs:
+            return "cudnn", "auto: no flash-attn; cuDNN fused attention on a Hopper-class GPU"
+        return "sdpa", "auto: no flash-attn; cuDNN attention is not captured in CUDA graphs at this small a shape"
     return "sdpa", "auto: no flash-attn and no Hopper GPU"
 
 

@@ -86,7 +86,7 @@ class Attention(nn.Module):
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
                        if cfg.position_embedding_type == "rope" else None)
-        backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout)
+        backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape)
         self.core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
                                         groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
                                         dropout=cfg.attention_dropout)

@@ -85,7 +85,7 @@ def check_model_impl(cfg: RunConfig) -> str:
     """The attention kernel and linear-layer library are usable here; returns the attention line for the log."""
     m = cfg.model
     try:
-        backend, why = resolve_backend(m.attention_backend, m.attention_dropout)
+        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if m.cuda_graphs and (importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available()):
