@@ -161,6 +161,14 @@ def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_
         assert _relative_error(dx_g, dx_e) < 1e-3, f"micro-batch {index}: input gradient"
     for index, (g, e) in enumerate(zip(captured_grads, eager_grads)):
         assert _relative_error(g, e) < 1e-3, f"parameter {index}: gradient accumulated over the step"
+    if fp8:  # the replays' amaxes reach TE's scale update (the captured modules once stayed at scale 1)
+        from hybridlm.model.transformer_engine import te_modules_in
+        pairs = [(a, b) for x, y in zip(layers, reference) for a, b in zip(te_modules_in(x), te_modules_in(y))
+                 if "scaling_fwd" in b.fp8_meta]
+        assert pairs
+        for a, b in pairs:
+            for key in ("scaling_fwd", "scaling_bwd"):
+                torch.testing.assert_close(a.fp8_meta[key].scale, b.fp8_meta[key].scale, rtol=0, atol=0)
 
 
 def _relative_error(a, b) -> float:

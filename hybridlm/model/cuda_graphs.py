@@ -11,7 +11,8 @@ version knows its FP8 state: amax/scale updates stay outside the graphs, and wit
 caching the weight casts in the graph are skipped on a flag the replay sets from
 ``MicroBatchPhase`` (the first micro-batch of a step recasts). Our TE modules sit off the
 module tree, where TE's capture does not look for them, so the scaling state the capture's
-sample passes touch is saved and restored here. The graphs read the parameters
+sample passes touch is saved and restored here, and the modules are put into TE's amax
+buffer here (TE's own replay does that for the modules it finds). The graphs read the parameters
 where they lie, so capture happens after DeepSpeed has moved them into its flat buffers (ZeRO
 1/2 then update them in place), and replay only in training: evaluation and generation run the
 layers' ordinary forward.
@@ -24,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .transformer_engine import MicroBatchPhase, fp8_scaling_kept, te_modules_in
+from .transformer_engine import MicroBatchPhase, fp8_scaling_kept, join_fp8_scaling, te_modules_in
 
 
 class LayerGraph:
@@ -76,9 +77,12 @@ def capture_layers(layers: list[nn.Module], shape: tuple[int, ...], *, recipe=No
     samples = tuple((torch.randn(shape, device=first.device, dtype=first.dtype, requires_grad=True),) for _ in layers)
     fp8 = recipe is not None
     params = [p for layer in layers for p in layer.parameters()]
-    with grad_hooks_paused(params), fp8_scaling_kept([m for layer in layers for m in te_modules_in(layer)]):
+    te_modules = [m for layer in layers for m in te_modules_in(layer)]
+    with grad_hooks_paused(params), fp8_scaling_kept(te_modules):
         te.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup, enabled=fp8, recipe=recipe,
                                   cache_quantized_params=fp8)
+    if fp8:
+        join_fp8_scaling(te_modules, recipe)
     for layer in layers:
         replay = layer.__dict__.pop("forward")  # TE set the replay as the instance's forward; the layer dispatches itself
         layer.graph = LayerGraph(replay, torch.Size(shape), phase if fp8 else None, keep_alive=_read_caches(layer, shape[0]))

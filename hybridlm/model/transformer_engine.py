@@ -117,6 +117,24 @@ def fp8_scaling_kept(modules: list[nn.Module]):
             m.reset_fp8_meta_tensors(tensors)
 
 
+def join_fp8_scaling(modules: list[nn.Module], recipe) -> None:
+    """Put TE modules' delayed-scaling tensors into TE's global amax buffer, whose scales every
+    FP8 autocast's exit (and the first module's backward) updates from the amax histories.
+
+    A module joins by itself when it runs outside graph capture. A module that ran only under
+    CUDA graph capture (TE raises its capture flag for the warm-up passes too) never joined, and
+    its replays would quantise with its initial scales for good; joining is once and for all."""
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:  # TE 1.x
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    for m in modules:
+        if "scaling_fwd" in m.fp8_meta:
+            m.fp8_meta.setdefault("recipe", recipe)
+            m.fp8_meta.setdefault("fp8_group", None)
+            FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(m.fp8_meta)
+
+
 def _normalization(norm: nn.Module) -> str:
     return "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
 
