@@ -76,7 +76,8 @@ def test_after_deepspeed_set_up_no_parameter_keeps_a_gradient_node_from_before_c
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full"),
     (["--hidden-dropout", "0.1"], 1, "dropout"),
     ([], 3, "ZeRO stage 3"),
-], ids=["pp", "tp", "moe", "recompute", "dropout", "zero3"])
+    (["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--bf16"], 1, "--fp8-format hybrid yet"),
+], ids=["pp", "tp", "moe", "recompute", "dropout", "zero3", "fp8"])
 def test_layouts_a_captured_layer_cannot_replay_are_refused_before_any_process_group(flags, zero_stage, sentence):
     cfg = parse_args(TINY + ["--cuda-graphs"] + flags)
     cfg.parallel.zero_stage = zero_stage  # what the DeepSpeed JSON would say
@@ -129,7 +130,10 @@ def _micro_batches(layers, inputs, phase, context):
 
 
 @needs_te
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+    "open (issue 9): from the second micro-batch the captured FP8 layers' outputs differ from the uncaptured ones by "
+    "0.6% with equal scales and equal cached weights, as if the captured input casts read another scale; "
+    "--fp8-format with --cuda-graphs is refused until this passes")))], ids=["bf16", "fp8"])
 def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_step(fp8):
     # Three micro-batches in one step: a replay that overwrote the previous micro-batch's
     # gradients, or fed DeepSpeed's hooks the capture's sample passes, would show here.
