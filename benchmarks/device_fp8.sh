@@ -13,17 +13,18 @@
 #   final   (one GPU, `stage.sh ds te`) FP8 at micro-batch 8 with all of the above; the eager FP8 tests
 #   pieces  (one GPU, `stage.sh ds te`) with TE a layer compiles only what lies between the GEMMs:
 #           FP8 at micro-batch 4 and 8, and the compiled TE tests
-#   graphs  (one GPU, `stage.sh ds te`) the CUDA-graph tests, then FP8 with each layer captured as CUDA
-#           graphs (--cuda-graphs) at micro-batch 4, profiled
-#   graphs_final (one GPU, `stage.sh ds te`) after cuDNN attention was kept out of small captured layers:
-#           the CUDA-graph and attention tests, then FP8 with --cuda-graphs at micro-batch 8
-#   graphs2 (the same warm machine) --cuda-graphs: FP8 at micro-batch 8, bf16 compiled at micro-batch 4
+#   graphs  (one GPU, `stage.sh ds te`; ran 2026-11-23, before FP8 with --cuda-graphs was refused) the
+#           CUDA-graph tests, then FP8 with each layer captured as CUDA graphs at micro-batch 4, profiled
+#   graphs_final (the same; after cuDNN attention was kept out of small captured layers) the CUDA-graph
+#           and attention tests, then FP8 with --cuda-graphs at micro-batch 8
+#   graphs_bf16 (one GPU, `stage.sh ds te`; not run yet) the TE bf16 compiled CUDA-graph test, then bf16
+#           compiled at micro-batch 4 without and with --cuda-graphs
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final or graphs2}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final or graphs_bf16}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -107,11 +108,12 @@ if [ "$what" = graphs_final ]; then
       "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8 --cuda-graphs
 fi
 
-if [ "$what" = graphs2 ]; then
-  bench fp8_graphs_mb8 0 29660 170 --model reference --steps 14 --warmup 6 --label "${L_GRAPHS/gbs 64/mb 8, gbs 64}" -- \
-      "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8 --cuda-graphs
-  bench bf16_graphs 0 29660 170 --model reference --steps 14 --warmup 6 \
-      --label "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, --cuda-graphs, pinned batches, cuDNN attention" -- \
+if [ "$what" = graphs_bf16 ]; then
+  gpu_tests test_gpu_graphs_te_bf16 0 150 "cuda_graphs and te_bf16"
+  L="1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, pinned batches, cuDNN attention"
+  bench bf16_eager_layers 0 29670 170 --model reference --steps 14 --warmup 6 --label "$L" -- \
+      --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64
+  bench bf16_graphs 0 29670 170 --model reference --steps 14 --warmup 6 --label "${L/--torch-compile/--torch-compile, --cuda-graphs}" -- \
       --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64 --cuda-graphs
 fi
 

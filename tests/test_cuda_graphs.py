@@ -93,6 +93,27 @@ def test_without_a_gpu_and_transformer_engine_the_flag_is_refused():
         check_model_impl(cfg)
 
 
+def test_capture_finds_every_te_module_a_layer_calls_for_its_fp8_bookkeeping():
+    # Capture keeps the FP8 scaling state of the TE modules a layer calls out of its sample passes
+    # and enrols them in TE's scale updates. They sit off the module tree: in the linears, and in
+    # the TP wrapper of a fused norm + MLP block, which was once missed (its scales went stale).
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.gpt import TransformerLayer
+    from hybridlm.model.transformer_engine import _TEModuleCall, te_modules_in
+    from hybridlm.parallel.plan import ParallelPlan
+    made = []
+
+    class StandIn(_TEModuleCall):
+        def __init__(self, *_):
+            self.module, self.phase = torch.nn.Identity(), None
+            made.append(self.module)
+
+    plan = ParallelPlan(local_matmul=StandIn, local_norm_matmul=StandIn, local_norm_mlp=StandIn)
+    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128), plan)
+    assert layer.mlp.fused is not None, "the norm + MLP block was not fused: the test would not look inside its wrapper"
+    assert {id(m) for m in te_modules_in(layer)} == {id(m) for m in made}
+
+
 def _tiny_layers(fp8: bool):
     from hybridlm.config import ModelConfig
     from hybridlm.model.gpt import TransformerLayer
@@ -130,10 +151,11 @@ def _micro_batches(layers, inputs, phase, context):
 
 
 @needs_te
-@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-    "open (issue 9): from the second micro-batch the captured FP8 layers' outputs differ from the uncaptured ones by "
-    "0.6% with equal scales and equal cached weights, as if the captured input casts read another scale; "
-    "--fp8-format with --cuda-graphs is refused until this passes")))], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", [False, pytest.param(True, marks=pytest.mark.xfail(strict=False, reason=(
+    "open (issue 9): on an H200 the captured FP8 layers differed from the uncaptured ones by 0.6% from the second "
+    "micro-batch on; the likely cause (the fused norm + MLP block's TE module was missed by capture's FP8 "
+    "bookkeeping) is fixed but has not run on a GPU yet. When this passes there, make it a plain case and lift "
+    "the --fp8-format refusal in RunConfig._check_cuda_graphs")))], ids=["bf16", "fp8"])
 def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_step(fp8):
     # Three micro-batches in one step: a replay that overwrote the previous micro-batch's
     # gradients, or fed DeepSpeed's hooks the capture's sample passes, would show here.

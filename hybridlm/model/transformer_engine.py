@@ -99,8 +99,16 @@ class TELocalNormMLP(_TEModuleCall):
 
 
 def te_modules_in(module: nn.Module) -> list[nn.Module]:
-    """The TE modules that ``module``'s adapters call: off the module tree, ``modules()`` misses them."""
-    found = {id(v.module): v.module for m in module.modules() for v in vars(m).values() if isinstance(v, _TEModuleCall)}
+    """The TE modules that ``module``'s adapters call: off the module tree, ``modules()`` misses them.
+    An adapter is an attribute of a submodule, or of a plain object held there (a fused norm + MLP
+    block sits inside the callable that wraps it in the TP crossings)."""
+    found = {}
+    for m in module.modules():
+        for value in vars(m).values():
+            nested = () if isinstance(value, (nn.Module, dict)) else tuple(getattr(value, "__dict__", {}).values())
+            for candidate in (value, *nested):
+                if isinstance(candidate, _TEModuleCall):
+                    found[id(candidate.module)] = candidate.module
     return list(found.values())
 
 

@@ -24,6 +24,18 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabPara
                               vocab_parallel_cross_entropy)
 
 
+class _BetweenTPCrossings:
+    """x -> reduce over TP(block(copy to TP(x))): a rank-local block between the two TP crossings.
+    An object rather than a closure, so that ``block`` stays reachable (the FP8 bookkeeping of
+    CUDA graph capture looks for the TE modules a layer calls)."""
+
+    def __init__(self, block: Callable, tp: GroupHandle):
+        self.block, self.tp = block, tp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tensor_parallel(self.block(copy_to_tensor_parallel(x, self.tp)), self.tp)
+
+
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
                  sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
@@ -77,8 +89,7 @@ class ParallelPlan:
         tp = self.tp
         for param in norm.parameters():  # each rank back-propagates its ffn columns into the norm
             sum_grad_over_tp(param, tp)
-        block = self.local_norm_mlp(norm, fc1.weight, fc2.weight, activation)
-        return lambda x: reduce_from_tensor_parallel(block(copy_to_tensor_parallel(x, tp)), tp)
+        return _BetweenTPCrossings(self.local_norm_mlp(norm, fc1.weight, fc2.weight, activation), tp)
 
     def embedding(self, num_embeddings: int, dim: int, *, init_std: float) -> VocabParallelEmbedding:
         return VocabParallelEmbedding(num_embeddings, dim, self.tp, init_std=init_std, device=self.device, dtype=self.dtype)
