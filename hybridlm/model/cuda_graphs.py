@@ -12,7 +12,9 @@ caching the weight casts in the graph are skipped on a flag the replay sets from
 ``MicroBatchPhase`` (the first micro-batch of a step recasts). Our TE modules sit off the
 module tree, where TE's capture does not look for them, so the scaling state the capture's
 sample passes touch is saved and restored here, and the modules are put into TE's amax
-buffer here (TE's own replay does that for the modules it finds). The graphs read the parameters
+buffer here (TE's own replay does that for the modules it finds). The training flags still refuse
+FP8 with graphs: the captured FP8 layers have not yet been shown to match the uncaptured ones
+(benchmarks/PROFILES.md, tests/test_cuda_graphs.py). The graphs read the parameters
 where they lie, so capture happens after DeepSpeed has moved them into its flat buffers (ZeRO
 1/2 then update them in place), and replay only in training: evaluation and generation run the
 layers' ordinary forward.
