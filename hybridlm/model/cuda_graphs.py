@@ -6,18 +6,17 @@ waits on the host. A captured layer replays its forward as one graph launch, and
 as another, whatever the Python cost of the code that recorded them.
 
 How: all of this rank's layers are captured in one call of TE's ``make_graphed_callables``
-(forward in order, then backward in reverse, sharing one memory pool, as they will run); TE's
-version knows its FP8 state: amax/scale updates stay outside the graphs, and with FP8 weight
-caching the weight casts in the graph are skipped on a flag the replay sets from
-``MicroBatchPhase`` (the first micro-batch of a step recasts). Our TE modules sit off the
-module tree, where TE's capture does not look for them, so the scaling state the capture's
-sample passes touch is saved and restored here, and the modules are put into TE's amax
-buffer here (TE's own replay does that for the modules it finds). The training flags still refuse
-FP8 with graphs: the captured FP8 layers have not yet been shown to match the uncaptured ones
-(benchmarks/PROFILES.md, tests/test_cuda_graphs.py). The graphs read the parameters
-where they lie, so capture happens after DeepSpeed has moved them into its flat buffers (ZeRO
-1/2 then update them in place), and replay only in training: evaluation and generation run the
-layers' ordinary forward.
+(forward in order, then backward in reverse, sharing one memory pool, as they will run). The
+graphs read the parameters where they lie, so capture happens after DeepSpeed has moved them
+into its flat buffers (ZeRO 1/2 then update them in place); replay happens only in training:
+evaluation and generation run the layers' ordinary forward.
+
+FP8: TE's version keeps amax/scale updates outside the graphs and, with FP8 weight caching,
+skips the graph's weight casts on a flag the replay sets from ``MicroBatchPhase`` (a step's first
+micro-batch recasts). Our TE modules sit off the module tree, where TE's capture does not look,
+so the scaling state that capture's sample passes touch is saved and restored here, and the
+modules are enrolled in TE's amax buffer here. The training flags still refuse FP8 with graphs:
+captured FP8 layers have not yet been shown to match uncaptured ones (benchmarks/PROFILES.md).
 """
 from __future__ import annotations
 

@@ -88,11 +88,12 @@ def check_model_impl(cfg: RunConfig) -> str:
         backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if m.cuda_graphs and (importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available()):
+    te_usable = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
+    if m.cuda_graphs and not te_usable:
         raise ConfigError("--cuda-graphs needs a CUDA GPU and Transformer Engine, whose make_graphed_callables captures the layers "
                           "(pip install transformer-engine[pytorch]).")
     if m.transformer_impl == "transformer_engine":
-        if importlib.util.find_spec("transformer_engine") is None or not torch.cuda.is_available():
+        if not te_usable:
             raise ConfigError("--transformer-impl transformer_engine needs Transformer Engine and a CUDA GPU "
                               "(pip install transformer-engine[pytorch]).")
         if m.fp8_format and cfg.parallel.recompute_granularity:
