@@ -17,14 +17,16 @@
 #           CUDA-graph tests, then FP8 with each layer captured as CUDA graphs at micro-batch 4, profiled
 #   graphs_final (the same; after cuDNN attention was kept out of small captured layers) the CUDA-graph
 #           and attention tests, then FP8 with --cuda-graphs at micro-batch 8
-#   graphs_bf16 (one GPU, `stage.sh ds te`; not run yet) the TE bf16 compiled CUDA-graph test, then bf16
-#           compiled at micro-batch 4 without and with --cuda-graphs
+#   graphs_fp8 (one GPU, `stage.sh ds te`; after the fused MLP block joined capture's FP8 bookkeeping and
+#           the FP8 refusal was lifted) the CUDA-graph tests, FP8 --cuda-graphs at micro-batch 4, the
+#           end-to-end graph tests (local bf16, TE bf16 compiled, TE FP8 compiled)
+#   graphs_more (the same machine) bf16 compiled without and with --cuda-graphs; FP8 --cuda-graphs at mb 8
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final or graphs_bf16}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8 or graphs_more}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -108,13 +110,21 @@ if [ "$what" = graphs_final ]; then
       "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8 --cuda-graphs
 fi
 
-if [ "$what" = graphs_bf16 ]; then
-  gpu_tests test_gpu_graphs_te_bf16 0 150 "cuda_graphs and te_bf16"
+if [ "$what" = graphs_fp8 ]; then  # after the fused MLP block joined capture's FP8 bookkeeping
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -rxXs -p no:cacheprovider tests/test_cuda_graphs.py > "$OUT/logs/test_graphs.log" 2>&1
+  echo "[test_graphs] rc=$? $(tail -1 "$OUT/logs/test_graphs.log")"; grep -h -E '^(E  |FAILED|XPASS|XFAIL)' "$OUT/logs/test_graphs.log" | head -12
+  bench fp8_graphs_mb4 0 29680 170 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 --cuda-graphs
+  gpu_tests test_gpu_graphs 0 300 "cuda_graphs"
+fi
+
+if [ "$what" = graphs_more ]; then  # bf16 with and without graphs, FP8 with graphs at micro-batch 8
   L="1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, pinned batches, cuDNN attention"
-  bench bf16_eager_layers 0 29670 170 --model reference --steps 14 --warmup 6 --label "$L" -- \
+  bench bf16_layers 0 29690 170 --model reference --steps 20 --warmup 6 --label "$L" -- \
       --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64
-  bench bf16_graphs 0 29670 170 --model reference --steps 14 --warmup 6 --label "${L/--torch-compile/--torch-compile, --cuda-graphs}" -- \
+  bench bf16_graphs 0 29690 170 --model reference --steps 20 --warmup 6 --label "${L/--torch-compile/--torch-compile, --cuda-graphs}" -- \
       --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64 --cuda-graphs
+  bench fp8_graphs_mb8 0 29690 170 --model reference --steps 20 --warmup 6 --label "${L_GRAPHS/gbs 64/mb 8, gbs 64}" -- \
+      "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8 --cuda-graphs --profile-step-range 16,17 --profile-dir "$OUT/prof/fp8_graphs_mb8"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

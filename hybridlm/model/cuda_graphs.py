@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from .transformer_engine import MicroBatchPhase, fp8_scaling_kept, join_fp8_scaling, te_modules_in
+from .transformer_engine import MicroBatchPhase, fp8_context, fp8_scaling_kept, join_fp8_scaling, te_modules_in
 
 
 class LayerGraph:
@@ -80,6 +80,7 @@ def capture_layers(layers: list[nn.Module], shape: tuple[int, ...], *, recipe=No
     params = [p for layer in layers for p in layer.parameters()]
     te_modules = [m for layer in layers for m in te_modules_in(layer)]
     with grad_hooks_paused(params), fp8_scaling_kept(te_modules):
+        _first_calls_outside_capture(layers, samples, recipe)
         te.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup, enabled=fp8, recipe=recipe,
                                   cache_quantized_params=fp8)
     if fp8:
@@ -87,6 +88,21 @@ def capture_layers(layers: list[nn.Module], shape: tuple[int, ...], *, recipe=No
     for layer in layers:
         replay = layer.__dict__.pop("forward")  # TE set the replay as the instance's forward; the layer dispatches itself
         layer.graph = LayerGraph(replay, torch.Size(shape), phase if fp8 else None, keep_alive=_read_caches(layer, shape[0]))
+
+
+def _first_calls_outside_capture(layers, samples, recipe) -> None:
+    """One forward and backward of each layer before TE's capture, gradients discarded.
+
+    TE's warmup runs the layers with a forward hook on every submodule and removes the hooks
+    before capturing. A layer compiled whole (``--torch-compile`` without TE's GEMMs) whose
+    first call was that warmup would find its guards broken by the removal and recompile inside
+    the capture, where compiling fails (the bf16 reference model did, on an H200). Compiled here
+    first, without hooks, the capture finds its graph cached."""
+    with torch.cuda.stream(torch.cuda.Stream(device=samples[0][0].device)), fp8_context(recipe):
+        for layer, (x,) in zip(layers, samples):
+            y = layer(x)
+            torch.autograd.grad(y, (x, *layer.parameters()), torch.ones_like(y), allow_unused=True)
+    torch.cuda.synchronize()
 
 
 def _read_caches(layer: nn.Module, seq_len: int) -> tuple:
