@@ -21,12 +21,14 @@
 #           the FP8 refusal was lifted) the CUDA-graph tests, FP8 --cuda-graphs at micro-batch 4, the
 #           end-to-end graph tests (local bf16, TE bf16 compiled, TE FP8 compiled)
 #   graphs_more (the same machine) bf16 compiled without and with --cuda-graphs; FP8 --cuda-graphs at mb 8
+#   graphs_gaps (one GPU) after layers compiled whole are called once before capture: the graph tests,
+#           bf16 compiled with --cuda-graphs; FP8 --cuda-graphs mb 4 profiled with its longest idle gaps
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8 or graphs_more}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more or graphs_gaps}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -125,6 +127,16 @@ if [ "$what" = graphs_more ]; then  # bf16 with and without graphs, FP8 with gra
       --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64 --cuda-graphs
   bench fp8_graphs_mb8 0 29690 170 --model reference --steps 20 --warmup 6 --label "${L_GRAPHS/gbs 64/mb 8, gbs 64}" -- \
       "${FP8[@]}" --global-batch-size 64 --micro-batch-size 8 --cuda-graphs --profile-step-range 16,17 --profile-dir "$OUT/prof/fp8_graphs_mb8"
+fi
+
+if [ "$what" = graphs_gaps ]; then  # layers compiled whole, captured; where the FP8 mb 4 step still idles
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -rxXs -p no:cacheprovider tests/test_cuda_graphs.py > "$OUT/logs/test_graphs.log" 2>&1
+  echo "[test_graphs] rc=$? $(tail -1 "$OUT/logs/test_graphs.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_graphs.log" | head -12
+  gpu_tests test_gpu_graphs_compiled 0 150 "cuda_graphs and local_bf16_compiled"
+  bench bf16_graphs 0 29700 170 --model reference --steps 20 --warmup 6 --label "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, --cuda-graphs, pinned batches, cuDNN attention" -- \
+      --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64 --cuda-graphs
+  bench fp8_graphs_mb4_prof 0 29700 170 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 \
+      --cuda-graphs --profile-step-range 16,17 --profile-dir "$OUT/prof/fp8_graphs_mb4"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

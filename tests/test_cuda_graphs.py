@@ -222,3 +222,34 @@ def test_cudnn_attention_is_captured_only_at_the_shapes_it_was_checked_at():
     with pytest.raises(ValueError, match="--attention-backend cudnn cannot be combined with --cuda-graphs at head dim 16"):
         resolve_backend("cudnn", graphed_shape=(16, 32))
     assert resolve_backend("cudnn", graphed_shape=(128, 2048))[0] == "cudnn"
+
+
+@pytest.mark.parametrize("calls", [2, pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=(
+    "one call leaves no graph for the state it builds: the capture-like call recompiles")))])
+def test_a_layer_compiled_whole_is_compiled_for_the_capture_before_the_warmup_hooks_come(calls):
+    # TE's warmup calls the layers with a forward hook on every submodule, then removes the
+    # hooks and captures; compiling is not allowed inside a capture, so the capture-like call
+    # (no hooks) must find a graph that the calls before the warmup compiled.
+    from torch._dynamo.utils import counters
+
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.cuda_graphs import _first_calls_outside_capture
+    from hybridlm.model.gpt import TransformerLayer
+    from hybridlm.parallel.plan import ParallelPlan
+    torch._dynamo.reset()
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
+                      vocab_size=64, attention_backend="sdpa")
+    layers = [TransformerLayer(cfg, ParallelPlan(), layer_number=i) for i in range(2)]
+    for layer in layers:
+        layer.compile_body(backend="eager")
+    samples = tuple((torch.randn(8, 2, 32, requires_grad=True),) for _ in layers)
+    _first_calls_outside_capture(layers, samples, recipe=None, calls=calls)
+    hooks = [m.register_forward_hook(lambda *_: None) for layer in layers for m in layer.modules()]
+    for layer, (x,) in zip(layers, samples):  # TE's warmup
+        layer(x)
+    for hook in hooks:
+        hook.remove()
+    compiled = counters["stats"]["unique_graphs"]
+    for layer, (x,) in zip(layers, samples):  # as the capture calls them
+        layer(x)
+    assert counters["stats"]["unique_graphs"] == compiled, "the capture-like call compiled a new graph"

@@ -113,12 +113,15 @@ def test_heaviest_kernels_add_up_the_launches_of_one_kernel_whatever_its_templat
         return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
     events = [event("ProfilerStep#1", 0, 100, DeviceType.CPU),
               event("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, float)", 0, 10),
-              event("void at::native::vectorized_elementwise_kernel<2, at::native::CUDAFunctor_add<c10::BFloat16>>(int)", 10, 30),
-              event("triton_per_fused_add_mul_rsqrt_0", 30, 35)]
+              event("void at::native::vectorized_elementwise_kernel<2, at::native::FillFunctor<c10::BFloat16>>(int)", 10, 30),
+              event("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)", 30, 32),
+              event("triton_per_fused_add_mul_rsqrt_0", 32, 37)]
     summary = summarize(events)
-    assert summary["top kernels"] == [("at::native::vectorized_elementwise_kernel", pytest.approx(30e-3)),
-                                      ("triton_per_fused_add_mul_rsqrt_0", pytest.approx(5e-3))]
-    assert "30.0%  at::native::vectorized_elementwise_kernel" in format_summary(summary)
+    # PyTorch's generic elementwise kernels are told apart by the functor that says what they compute
+    assert summary["top kernels"] == [("at::native::vectorized_elementwise_kernel [FillFunctor]", pytest.approx(30e-3)),
+                                      ("triton_per_fused_add_mul_rsqrt_0", pytest.approx(5e-3)),
+                                      ("at::native::vectorized_elementwise_kernel [CUDAFunctor_add]", pytest.approx(2e-3))]
+    assert "30.0%  at::native::vectorized_elementwise_kernel [FillFunctor]" in format_summary(summary)
 
 
 def test_summary_reads_kernels_and_steps_from_an_exported_chrome_trace(tmp_path):
@@ -138,3 +141,33 @@ def test_summary_reads_kernels_and_steps_from_an_exported_chrome_trace(tmp_path)
     assert summary["matmul ms"] == pytest.approx(0.150)
     assert summary["attention ms"] == pytest.approx(0.020)
     assert summary["idle GPU ms"] == pytest.approx(0.030)
+
+
+def test_idle_time_is_summed_by_where_the_host_launched_the_kernel_that_ended_each_gap(tmp_path):
+    import json
+
+    from hybridlm.training.profiling import format_summary, summarize_trace
+
+    def x(cat, name, ts, dur, tid=1, correlation=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
+                **({"args": {"correlation": correlation}} if correlation else {})}
+    # GPU busy 0-100, idle 100-400 (the host in the optimizer step, then the next forward's
+    # embedding launches), idle 500-520 (autograd's thread launches a backward GEMM)
+    trace = {"traceEvents": [
+        x("user_annotation", "ProfilerStep#7", 0, 1000),
+        x("kernel", "multi_tensor_apply_kernel<AdamFunctor>", 0, 100, tid=7, correlation=1),
+        x("kernel", "void at::native::index_select_kernel<float>(int)", 400, 100, tid=7, correlation=2),
+        x("kernel", "nvjet_sm90_tst", 520, 480, tid=7, correlation=3),
+        x("user_annotation", "hybridlm.step", 80, 300), x("cpu_op", "aten::item", 90, 30),
+        x("user_annotation", "hybridlm.forward", 385, 35), x("cpu_op", "aten::embedding", 388, 4),
+        x("cuda_runtime", "cudaLaunchKernel", 390, 1, correlation=2),
+        x("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 505, 10, tid=2),
+        x("cuda_runtime", "cudaLaunchKernel", 510, 1, tid=2, correlation=3)]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    summary = summarize_trace(str(path))
+    assert summary["idle GPU ms"] == pytest.approx(0.320)
+    assert summary["idle by launch site"] == [
+        (pytest.approx(0.300), 1, pytest.approx(0.300), "hybridlm.forward > aten::embedding"),
+        (pytest.approx(0.020), 1, pytest.approx(0.020), "(between ops) > autograd::engine::evaluate_function: MmBackward0")]
+    assert "30.0%      1 gaps, longest   0.30 ms  hybridlm.forward > aten::embedding" in format_summary(summary)

@@ -79,30 +79,35 @@ def capture_layers(layers: list[nn.Module], shape: tuple[int, ...], *, recipe=No
     fp8 = recipe is not None
     params = [p for layer in layers for p in layer.parameters()]
     te_modules = [m for layer in layers for m in te_modules_in(layer)]
+    caches = [_read_caches(layer, shape[0]) for layer in layers]  # built before any compiled call sees them missing
     with grad_hooks_paused(params), fp8_scaling_kept(te_modules):
         _first_calls_outside_capture(layers, samples, recipe)
         te.make_graphed_callables(tuple(layers), samples, num_warmup_iters=warmup, enabled=fp8, recipe=recipe,
                                   cache_quantized_params=fp8)
     if fp8:
         join_fp8_scaling(te_modules, recipe)
-    for layer in layers:
+    for layer, cache in zip(layers, caches):
         replay = layer.__dict__.pop("forward")  # TE set the replay as the instance's forward; the layer dispatches itself
-        layer.graph = LayerGraph(replay, torch.Size(shape), phase if fp8 else None, keep_alive=_read_caches(layer, shape[0]))
+        layer.graph = LayerGraph(replay, torch.Size(shape), phase if fp8 else None, keep_alive=cache)
 
 
-def _first_calls_outside_capture(layers, samples, recipe) -> None:
-    """One forward and backward of each layer before TE's capture, gradients discarded.
+def _first_calls_outside_capture(layers, samples, recipe, calls: int = 2) -> None:
+    """Forward and backward of each layer before TE's capture, gradients discarded.
 
-    TE's warmup runs the layers with a forward hook on every submodule and removes the hooks
-    before capturing. A layer compiled whole (``--torch-compile`` without TE's GEMMs) whose
-    first call was that warmup would find its guards broken by the removal and recompile inside
-    the capture, where compiling fails (the bf16 reference model did, on an H200). Compiled here
-    first, without hooks, the capture finds its graph cached."""
-    with torch.cuda.stream(torch.cuda.Stream(device=samples[0][0].device)), fp8_context(recipe):
-        for layer, (x,) in zip(layers, samples):
-            y = layer(x)
-            torch.autograd.grad(y, (x, *layer.parameters()), torch.ones_like(y), allow_unused=True)
-    torch.cuda.synchronize()
+    A layer compiled whole (``--torch-compile`` without TE's GEMMs) is guarded on its
+    submodules' hooks and on state its first call builds. TE's warmup runs the layers with a
+    forward hook on every submodule and removes the hooks before capturing, so a layer first
+    compiled in that warmup recompiles inside the capture, where compiling fails (the bf16
+    reference model did, on an H200). Called here without hooks, twice (so that a graph also
+    exists for what the first call left behind), the capture finds its graph cached."""
+    side_stream = torch.cuda.stream(torch.cuda.Stream(samples[0][0].device)) if samples[0][0].is_cuda else contextlib.nullcontext()
+    with side_stream, fp8_context(recipe):
+        for _ in range(calls):
+            for layer, (x,) in zip(layers, samples):
+                y = layer(x)
+                torch.autograd.grad(y, (x, *layer.parameters()), torch.ones_like(y), allow_unused=True)
+    if samples[0][0].is_cuda:
+        torch.cuda.synchronize()
 
 
 def _read_caches(layer: nn.Module, seq_len: int) -> tuple:

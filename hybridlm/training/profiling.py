@@ -142,7 +142,7 @@ def summarize_trace(path: str) -> dict:
     ``ProfilerStep#`` annotations; times in microseconds."""
     with open(path) as f:
         trace = json.load(f)
-    events = []
+    events, host = [], []
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -151,7 +151,58 @@ def summarize_trace(path: str) -> dict:
             device = "CUDA" if e.get("cat") == "kernel" else "CPU"
             events.append(SimpleNamespace(name=e["name"], device_type=SimpleNamespace(name=device),
                                           time_range=SimpleNamespace(start=float(e["ts"]), end=float(e["ts"]) + float(e["dur"]))))
-    return summarize(events)
+        if e.get("cat") in ("cpu_op", "user_annotation", "kernel", "cuda_runtime"):
+            host.append(e)
+    summary = summarize(events)
+    if summary:
+        summary["idle by launch site"] = idle_by_launch_site(host)
+    return summary
+
+
+IDLE_SITES = 8
+
+
+def idle_by_launch_site(trace_events: list[dict]) -> list[tuple[float, int, float, str]]:
+    """The profiled steps' idle GPU time grouped by where the host launched the kernel that
+    ended each gap: the outermost annotation or op on the main thread then (``hybridlm.step``,
+    ``hybridlm.forward``, ...) and the op that made the launch (on autograd's thread in
+    backward). Returns (ms per step, gaps, longest gap ms, site), most idle first. Host-bound
+    steps idle in many gaps too short to see one by one; summed by site they say which host
+    work to shorten or overlap."""
+    kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in trace_events if e["cat"] == "kernel")
+    steps = [e for e in trace_events if e["name"].startswith("ProfilerStep#") and e["cat"] == "user_annotation"]
+    if not kernels or not steps:
+        return []
+    main_thread = steps[0].get("tid")
+    window = (min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps))
+    ops: dict = {}  # by thread: backward's ops run on autograd's device thread, not the main one
+    for e in trace_events:
+        if e["cat"] in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep#"):
+            ops.setdefault(e.get("tid"), []).append(e)
+    launches = {e.get("args", {}).get("correlation"): e for e in trace_events if e["cat"] == "cuda_runtime"}
+    sites: dict[str, list[float]] = {}
+    busy_until = window[0]
+    for start, end, kernel in kernels:
+        if busy_until < start and busy_until < window[1]:
+            gap = min(start, window[1]) - busy_until
+            launch = launches.get(kernel.get("args", {}).get("correlation"))
+            site = "?"
+            if launch is not None:
+                outer = _ops_at(ops.get(main_thread, []), float(launch["ts"]))
+                inner = _ops_at(ops.get(launch.get("tid"), []), float(launch["ts"]))
+                site = f"{outer[0] if outer else '(between ops)'} > {inner[-1] if inner else '(no op)'}"
+            sites.setdefault(site, []).append(gap)
+        busy_until = max(busy_until, end)
+    n = len(steps)
+    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))[:IDLE_SITES]
+    return [(sum(gaps) / 1e3 / n, len(gaps) // n, max(gaps) / 1e3, site) for site, gaps in ranked]
+
+
+def _ops_at(ops: list[dict], t: float) -> list[str]:
+    """Names of the host ops running at time ``t``, outermost first."""
+    chain = sorted((e for e in ops if float(e["ts"]) <= t <= float(e["ts"]) + float(e["dur"])),
+                   key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    return [e["name"] for e in chain]
 
 
 def summarize(events) -> dict:
@@ -207,7 +258,14 @@ def _short_name(kernel: str) -> str:
             depth -= 1
         elif depth == 0:
             out.append(ch)
-    return "".join(out).strip()[:80] or kernel[:80]
+    short = "".join(out).strip()[:80] or kernel[:80]
+    if "elementwise_kernel" in short:  # PyTorch's generic kernels: what they compute is in the functor
+        functor = _FUNCTOR.search(kernel)
+        short += f" [{functor.group(1)}]" if functor else ""
+    return short
+
+
+_FUNCTOR = re.compile(r"([A-Za-z_]\w*(?:Functor\w*|_kernel_cuda|_kernel_impl))")
 
 
 def format_summary(summary: dict) -> str:
@@ -220,4 +278,8 @@ def format_summary(summary: dict) -> str:
     if summary.get("top kernels"):
         lines.append("  heaviest kernels per step:")
         lines += [f"    {value:9.2f} ms  {100 * value / step:5.1f}%  {name}" for name, value in summary["top kernels"]]
+    if summary.get("idle by launch site"):
+        lines.append("  idle GPU by where the next kernel was launched (main thread's outermost > launching op):")
+        lines += [f"    {ms:9.2f} ms  {100 * ms / step:5.1f}%  {gaps:5d} gaps, longest {longest:6.2f} ms  {site}"
+                  for ms, gaps, longest, site in summary["idle by launch site"]]
     return "\n".join(lines)

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 import deepspeed
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
@@ -254,11 +255,15 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     else:
         total = torch.zeros((), device=engine.device)
         for micro in range(run.cfg.gradient_accumulation_steps):
-            tokens, labels = next(batches)
+            with record_function("hybridlm.next_batch"):  # names in a --profile-step-range trace
+                tokens, labels = next(batches)
             run.phase.first = micro == 0
-            micro_loss = engine(tokens, labels)
-            engine.backward(micro_loss)
-            engine.step()
+            with record_function("hybridlm.forward"):
+                micro_loss = engine(tokens, labels)
+            with record_function("hybridlm.backward"):
+                engine.backward(micro_loss)
+            with record_function("hybridlm.step"):
+                engine.step()
             total += micro_loss.detach().float()
         run.phase.first = None
         loss = total / run.cfg.gradient_accumulation_steps
@@ -330,16 +335,17 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
                                       f"gradients (the last at iteration {run.iteration}); stopping as --max-bad-steps "
                                       f"{t.max_bad_steps} says. Lower --lr or check the data.")
         if run.iteration % t.log_interval == 0 or run.iteration == t.train_iters:
-            loss_value = loss.item()  # synchronises the device, so the clock below is honest
-            now = time.perf_counter()
-            grad_norm = run.engine.get_global_grad_norm()
-            moe = collect_moe_stats(run.engine.module, cfg, run.ps)  # collective; None for a dense model
-            records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr, skipped_steps=run.engine.skipped_steps,
-                                      grad_norm=float(grad_norm) if grad_norm is not None else None,
-                                      step_seconds=(now - started) / (run.iteration - last_logged),
-                                      total_iters=t.train_iters, moe=moe))
-            log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
-            last_logged, started = run.iteration, time.perf_counter()
+            with record_function("hybridlm.log"):
+                loss_value = loss.item()  # synchronises the device, so the clock below is honest
+                now = time.perf_counter()
+                grad_norm = run.engine.get_global_grad_norm()
+                moe = collect_moe_stats(run.engine.module, cfg, run.ps)  # collective; None for a dense model
+                records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr, skipped_steps=run.engine.skipped_steps,
+                                          grad_norm=float(grad_norm) if grad_norm is not None else None,
+                                          step_seconds=(now - started) / (run.iteration - last_logged),
+                                          total_iters=t.train_iters, moe=moe))
+                log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
+                last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
             collector.collect()
             valid_loss = evaluate(run)
