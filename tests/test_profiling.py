@@ -143,7 +143,7 @@ def test_summary_reads_kernels_and_steps_from_an_exported_chrome_trace(tmp_path)
     assert summary["idle GPU ms"] == pytest.approx(0.030)
 
 
-def test_idle_time_is_summed_by_where_the_host_launched_the_kernel_that_ended_each_gap(tmp_path):
+def test_idle_time_is_summed_by_where_the_host_was_when_the_queue_ran_dry_and_when_it_was_refilled(tmp_path):
     import json
 
     from hybridlm.training.profiling import format_summary, summarize_trace
@@ -151,10 +151,11 @@ def test_idle_time_is_summed_by_where_the_host_launched_the_kernel_that_ended_ea
     def x(cat, name, ts, dur, tid=1, correlation=None):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid,
                 **({"args": {"correlation": correlation}} if correlation else {})}
-    # GPU busy 0-100, idle 100-400 (the host in the optimizer step, then the next forward's
-    # embedding launches), idle 500-520 (autograd's thread launches a backward GEMM)
+    # idle 100-400: the queue empties while the host syncs in the optimizer step, the next
+    # forward's embedding refills it; idle 500-520: autograd's thread launches a backward GEMM;
+    # idle 1000-1100: the host logs after a sync, and nothing is queued before the steps end
     trace = {"traceEvents": [
-        x("user_annotation", "ProfilerStep#7", 0, 1000),
+        x("user_annotation", "ProfilerStep#7", 0, 1100),
         x("kernel", "multi_tensor_apply_kernel<AdamFunctor>", 0, 100, tid=7, correlation=1),
         x("kernel", "void at::native::index_select_kernel<float>(int)", 400, 100, tid=7, correlation=2),
         x("kernel", "nvjet_sm90_tst", 520, 480, tid=7, correlation=3),
@@ -162,12 +163,19 @@ def test_idle_time_is_summed_by_where_the_host_launched_the_kernel_that_ended_ea
         x("user_annotation", "hybridlm.forward", 385, 35), x("cpu_op", "aten::embedding", 388, 4),
         x("cuda_runtime", "cudaLaunchKernel", 390, 1, correlation=2),
         x("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 505, 10, tid=2),
-        x("cuda_runtime", "cudaLaunchKernel", 510, 1, tid=2, correlation=3)]}
+        x("cuda_runtime", "cudaLaunchKernel", 510, 1, tid=2, correlation=3),
+        x("user_annotation", "hybridlm.log", 990, 110), x("cpu_op", "aten::item", 995, 5),
+        x("cuda_runtime", "cudaStreamSynchronize", 996, 4)]}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     summary = summarize_trace(str(path))
-    assert summary["idle GPU ms"] == pytest.approx(0.320)
-    assert summary["idle by launch site"] == [
+    assert summary["idle GPU ms"] == pytest.approx(0.420)
+    assert summary["idle sites"]["ran dry"] == [
+        (pytest.approx(0.300), 1, pytest.approx(0.300), "hybridlm.step > aten::item"),
+        (pytest.approx(0.100), 1, pytest.approx(0.100), "hybridlm.log > cudaStreamSynchronize"),
+        (pytest.approx(0.020), 1, pytest.approx(0.020), "(between ops) > (no op)")]
+    assert summary["idle sites"]["refilled"] == [
         (pytest.approx(0.300), 1, pytest.approx(0.300), "hybridlm.forward > aten::embedding"),
+        (pytest.approx(0.100), 1, pytest.approx(0.100), "(after the steps)"),
         (pytest.approx(0.020), 1, pytest.approx(0.020), "(between ops) > autograd::engine::evaluate_function: MmBackward0")]
-    assert "30.0%      1 gaps, longest   0.30 ms  hybridlm.forward > aten::embedding" in format_summary(summary)
+    assert "27.3%      1 gaps, longest   0.30 ms  hybridlm.forward > aten::embedding" in format_summary(summary)

@@ -155,54 +155,67 @@ def summarize_trace(path: str) -> dict:
             host.append(e)
     summary = summarize(events)
     if summary:
-        summary["idle by launch site"] = idle_by_launch_site(host)
+        summary["idle sites"] = idle_sites(host)
     return summary
 
 
-IDLE_SITES = 8
+IDLE_SITES = 6
 
 
-def idle_by_launch_site(trace_events: list[dict]) -> list[tuple[float, int, float, str]]:
-    """The profiled steps' idle GPU time grouped by where the host launched the kernel that
-    ended each gap: the outermost annotation or op on the main thread then (``hybridlm.step``,
-    ``hybridlm.forward``, ...) and the op that made the launch (on autograd's thread in
-    backward). Returns (ms per step, gaps, longest gap ms, site), most idle first. Host-bound
-    steps idle in many gaps too short to see one by one; summed by site they say which host
-    work to shorten or overlap."""
+def idle_sites(trace_events: list[dict]) -> dict[str, list[tuple[float, int, float, str]]]:
+    """The profiled steps' idle GPU time, summed two ways, most idle first, as (ms per step,
+    gaps per step, longest gap ms, site):
+
+    - "ran dry": where the main thread was when the GPU finished its last queued kernel (its
+      outermost annotation > innermost op or runtime call: a ``cudaStreamSynchronize`` there
+      is a host sync that let the queue empty);
+    - "refilled": where the kernel that ended the gap was launched (the main thread's
+      outermost annotation > the launching op, on autograd's thread in backward); the gap
+      still open at the end of the profiled steps counts as "(after the steps)".
+
+    Host-bound steps idle in many gaps too short to see one by one; summed by site they say
+    which host work to shorten, move or stop waiting on."""
     kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in trace_events if e["cat"] == "kernel")
     steps = [e for e in trace_events if e["name"].startswith("ProfilerStep#") and e["cat"] == "user_annotation"]
     if not kernels or not steps:
-        return []
+        return {}
     main_thread = steps[0].get("tid")
     window = (min(float(e["ts"]) for e in steps), max(float(e["ts"]) + float(e["dur"]) for e in steps))
     ops: dict = {}  # by thread: backward's ops run on autograd's device thread, not the main one
     for e in trace_events:
-        if e["cat"] in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep#"):
+        if e["cat"] in ("cpu_op", "user_annotation", "cuda_runtime") and not e["name"].startswith("ProfilerStep#"):
             ops.setdefault(e.get("tid"), []).append(e)
+    main_ops = ops.get(main_thread, [])
     launches = {e.get("args", {}).get("correlation"): e for e in trace_events if e["cat"] == "cuda_runtime"}
-    sites: dict[str, list[float]] = {}
+
+    def site(outer_at: float, thread, inner_at: float, runtime_calls: bool) -> str:
+        outer = [e["name"] for e in _ops_at(main_ops, outer_at) if e["cat"] != "cuda_runtime"]
+        inner = [e["name"] for e in _ops_at(ops.get(thread, []), inner_at) if runtime_calls or e["cat"] != "cuda_runtime"]
+        return f"{outer[0] if outer else '(between ops)'} > {inner[-1] if inner else '(no op)'}"
+
+    dry: dict[str, list[float]] = {}
+    refilled: dict[str, list[float]] = {}
     busy_until = window[0]
-    for start, end, kernel in kernels:
-        if busy_until < start and busy_until < window[1]:
+    for start, end, kernel in kernels + [(window[1], window[1], None)]:
+        if busy_until < min(start, window[1]):
             gap = min(start, window[1]) - busy_until
-            launch = launches.get(kernel.get("args", {}).get("correlation"))
-            site = "?"
-            if launch is not None:
-                outer = _ops_at(ops.get(main_thread, []), float(launch["ts"]))
-                inner = _ops_at(ops.get(launch.get("tid"), []), float(launch["ts"]))
-                site = f"{outer[0] if outer else '(between ops)'} > {inner[-1] if inner else '(no op)'}"
-            sites.setdefault(site, []).append(gap)
+            dry.setdefault(site(busy_until, main_thread, busy_until, True), []).append(gap)
+            launch = launches.get(kernel.get("args", {}).get("correlation")) if kernel and start <= window[1] else None
+            where = site(float(launch["ts"]), launch.get("tid"), float(launch["ts"]), False) if launch else "(after the steps)"
+            refilled.setdefault(where, []).append(gap)
         busy_until = max(busy_until, end)
     n = len(steps)
-    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))[:IDLE_SITES]
-    return [(sum(gaps) / 1e3 / n, len(gaps) // n, max(gaps) / 1e3, site) for site, gaps in ranked]
+
+    def ranked(sites: dict) -> list:
+        top = sorted(sites.items(), key=lambda item: -sum(item[1]))[:IDLE_SITES]
+        return [(sum(gaps) / 1e3 / n, max(1, len(gaps) // n), max(gaps) / 1e3, where) for where, gaps in top]
+    return {"ran dry": ranked(dry), "refilled": ranked(refilled)}
 
 
-def _ops_at(ops: list[dict], t: float) -> list[str]:
-    """Names of the host ops running at time ``t``, outermost first."""
-    chain = sorted((e for e in ops if float(e["ts"]) <= t <= float(e["ts"]) + float(e["dur"])),
-                   key=lambda e: (float(e["ts"]), -float(e["dur"])))
-    return [e["name"] for e in chain]
+def _ops_at(ops: list[dict], t: float) -> list[dict]:
+    """The host events running at time ``t``, outermost first."""
+    return sorted((e for e in ops if float(e["ts"]) <= t <= float(e["ts"]) + float(e["dur"])),
+                  key=lambda e: (float(e["ts"]), -float(e["dur"])))
 
 
 def summarize(events) -> dict:
@@ -278,8 +291,8 @@ def format_summary(summary: dict) -> str:
     if summary.get("top kernels"):
         lines.append("  heaviest kernels per step:")
         lines += [f"    {value:9.2f} ms  {100 * value / step:5.1f}%  {name}" for name, value in summary["top kernels"]]
-    if summary.get("idle by launch site"):
-        lines.append("  idle GPU by where the next kernel was launched (main thread's outermost > launching op):")
-        lines += [f"    {ms:9.2f} ms  {100 * ms / step:5.1f}%  {gaps:5d} gaps, longest {longest:6.2f} ms  {site}"
-                  for ms, gaps, longest, site in summary["idle by launch site"]]
+    for way, sites in summary.get("idle sites", {}).items():
+        lines.append(f"  idle GPU by where the host was when the queue {way} (outermost annotation > innermost op):")
+        lines += [f"    {ms:9.2f} ms  {100 * ms / step:5.1f}%  {gaps:5d} gaps, longest {longest:6.2f} ms  {where}"
+                  for ms, gaps, longest, where in sites]
     return "\n".join(lines)
