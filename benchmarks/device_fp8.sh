@@ -23,7 +23,7 @@
 #   graphs_more (the same machine) bf16 compiled without and with --cuda-graphs; FP8 --cuda-graphs at mb 8
 #   graphs_gaps (one GPU) after layers compiled whole are called once before capture: the graph tests,
 #           bf16 compiled with --cuda-graphs; FP8 --cuda-graphs mb 4 profiled with its longest idle gaps
-#   graphs_idle (one GPU) FP8 --cuda-graphs mb 4 profiled over two steps, idle time summed by host site
+#   graphs_idle (one GPU) FP8 --cuda-graphs mb 4 profiled, idle time summed by host site
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
@@ -141,8 +141,8 @@ if [ "$what" = graphs_gaps ]; then  # layers compiled whole, captured; where the
 fi
 
 if [ "$what" = graphs_idle ]; then  # where FP8 --cuda-graphs mb 4 idles, summed by host site
-  bench fp8_graphs_mb4_idle 0 29710 170 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 \
-      --cuda-graphs --profile-step-range 15,17 --profile-dir "$OUT/prof/fp8_graphs_mb4"
+  bench fp8_graphs_mb4_idle 0 29710 280 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 \
+      --cuda-graphs --profile-step-range 16,17 --profile-dir "$OUT/prof/fp8_graphs_mb4"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

@@ -10,6 +10,7 @@ Perfetto or chrome://tracing): pipeline stages and TP ranks do different work.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -185,12 +186,13 @@ def idle_sites(trace_events: list[dict]) -> dict[str, list[tuple[float, int, flo
     for e in trace_events:
         if e["cat"] in ("cpu_op", "user_annotation", "cuda_runtime") and not e["name"].startswith("ProfilerStep#"):
             ops.setdefault(e.get("tid"), []).append(e)
-    main_ops = ops.get(main_thread, [])
+    ops = {thread: _HostOps(events) for thread, events in ops.items()}
+    main_ops, no_ops = ops.get(main_thread, _HostOps([])), _HostOps([])
     launches = {e.get("args", {}).get("correlation"): e for e in trace_events if e["cat"] == "cuda_runtime"}
 
     def site(outer_at: float, thread, inner_at: float, runtime_calls: bool) -> str:
-        outer = [e["name"] for e in _ops_at(main_ops, outer_at) if e["cat"] != "cuda_runtime"]
-        inner = [e["name"] for e in _ops_at(ops.get(thread, []), inner_at) if runtime_calls or e["cat"] != "cuda_runtime"]
+        outer = [e["name"] for e in main_ops.at(outer_at) if e["cat"] != "cuda_runtime"]
+        inner = [e["name"] for e in ops.get(thread, no_ops).at(inner_at) if runtime_calls or e["cat"] != "cuda_runtime"]
         return f"{outer[0] if outer else '(between ops)'} > {inner[-1] if inner else '(no op)'}"
 
     dry: dict[str, list[float]] = {}
@@ -212,10 +214,27 @@ def idle_sites(trace_events: list[dict]) -> dict[str, list[tuple[float, int, flo
     return {"ran dry": ranked(dry), "refilled": ranked(refilled)}
 
 
-def _ops_at(ops: list[dict], t: float) -> list[dict]:
-    """The host events running at time ``t``, outermost first."""
-    return sorted((e for e in ops if float(e["ts"]) <= t <= float(e["ts"]) + float(e["dur"])),
-                  key=lambda e: (float(e["ts"]), -float(e["dur"])))
+class _HostOps:
+    """One thread's host events, for "which events run at time t" over a long trace: the few
+    long ones (annotations, whole passes) are checked one by one, the many short ones by
+    bisection over their sorted starts."""
+
+    LONG_US = 1000.0
+
+    def __init__(self, events: list[dict]):
+        self.long = [e for e in events if float(e["dur"]) > self.LONG_US]
+        self.short = sorted((e for e in events if float(e["dur"]) <= self.LONG_US), key=lambda e: float(e["ts"]))
+        self.starts = [float(e["ts"]) for e in self.short]
+
+    def at(self, t: float) -> list[dict]:
+        """The events running at ``t``, outermost first."""
+        hits = [e for e in self.long if float(e["ts"]) <= t <= float(e["ts"]) + float(e["dur"])]
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0 and self.starts[i] >= t - self.LONG_US:
+            if t <= self.starts[i] + float(self.short[i]["dur"]):
+                hits.append(self.short[i])
+            i -= 1
+        return sorted(hits, key=lambda e: (float(e["ts"]), -float(e["dur"])))
 
 
 def summarize(events) -> dict:
