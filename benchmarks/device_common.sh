@@ -8,7 +8,7 @@ bench() {  # name gpus(include list) port timeout args...
   local rc=$?
   echo "[$name] rc=$rc $(grep -h -E '^(BENCH|BASELINE)' "$OUT/logs/$name.log" | tr '\n' ' ')"
   [ $rc -ne 0 ] && grep -h -E 'Error|error:|out of memory' "$OUT/logs/$name.log" | tail -3
-  grep -h -A24 '^profile of steps' "$OUT/logs/$name.log"
+  grep -h -A40 '^profile of steps' "$OUT/logs/$name.log" | grep -v -E '^(iter|\[)' | head -40
 }
 
 gpu_tests() {  # name gpus timeout -k expression

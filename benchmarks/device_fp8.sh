@@ -24,12 +24,14 @@
 #   graphs_gaps (one GPU) after layers compiled whole are called once before capture: the graph tests,
 #           bf16 compiled with --cuda-graphs; FP8 --cuda-graphs mb 4 profiled with its longest idle gaps
 #   graphs_idle (one GPU) FP8 --cuda-graphs mb 4 profiled, idle time summed by host site
+#   nosync  (one GPU) after DeepSpeed's throughput timer stopped syncing the device every micro-batch:
+#           FP8 mb 4 with and without --cuda-graphs, bf16 compiled, FP8 --cuda-graphs profiled
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps or graphs_idle}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle or nosync}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -143,6 +145,18 @@ fi
 if [ "$what" = graphs_idle ]; then  # where FP8 --cuda-graphs mb 4 idles, summed by host site
   bench fp8_graphs_mb4_idle 0 29710 280 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS" -- "${FP8[@]}" --global-batch-size 64 \
       --cuda-graphs --profile-step-range 16,17 --profile-dir "$OUT/prof/fp8_graphs_mb4"
+fi
+
+if [ "$what" = nosync ]; then  # after DeepSpeed's throughput timer stopped syncing at every micro-batch
+  bench fp8_graphs_mb4_nosync 0 29720 200 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64 --cuda-graphs
+  bench fp8_mb4_nosync 0 29720 200 --model reference --steps 20 --warmup 6 --label "${L_GRAPHS/, --cuda-graphs/}, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64
+  L="1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, pinned batches, cuDNN attention, no per-micro-batch sync"
+  bench bf16_nosync 0 29720 200 --model reference --steps 20 --warmup 6 --label "$L" -- \
+      --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64
+  bench fp8_graphs_mb4_nosync_prof 0 29720 200 --model reference --steps 14 --warmup 6 --label "$L_GRAPHS, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64 --cuda-graphs --profile-step-range 10,11 --profile-dir "$OUT/prof/fp8_graphs_mb4"
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null

@@ -93,6 +93,11 @@ def finalize_ds_config(ds: dict, cfg: RunConfig) -> dict:
     _set(ds, ("fp16", "enabled"), t.fp16)
     ds.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
+    # DeepSpeed's throughput timer synchronises the device at every micro-batch's forward and
+    # step by default, so the host never runs ahead of the GPU (on one H200 this left the FP8
+    # reference idle at every micro-batch boundary). Our log line measures throughput without
+    # it; a JSON that configures the timer keeps its own setting.
+    ds.setdefault("timers", {}).setdefault("throughput", {"enabled": False, "synchronized": False})
     if p.sequence_parallel:
         # Activations between stages differ across TP ranks under SP: never split-and-regather them.
         ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
