@@ -26,12 +26,14 @@
 #   graphs_idle (one GPU) FP8 --cuda-graphs mb 4 profiled, idle time summed by host site
 #   nosync  (one GPU) after DeepSpeed's throughput timer stopped syncing the device every micro-batch:
 #           FP8 mb 4 with and without --cuda-graphs, bf16 compiled, FP8 --cuda-graphs profiled
+#   checks  (one GPU) the graph/TE/profile/DeepSpeed-config tests, the end-to-end graph and fp16 tests,
+#           FP8 mb 4 without graphs again, and with --manual-gc
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle or nosync}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync or checks}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -157,6 +159,17 @@ if [ "$what" = nosync ]; then  # after DeepSpeed's throughput timer stopped sync
       --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64
   bench fp8_graphs_mb4_nosync_prof 0 29720 200 --model reference --steps 14 --warmup 6 --label "$L_GRAPHS, no per-micro-batch sync" -- \
       "${FP8[@]}" --global-batch-size 64 --cuda-graphs --profile-step-range 10,11 --profile-dir "$OUT/prof/fp8_graphs_mb4"
+fi
+
+if [ "$what" = checks ]; then  # this session's changes on a GPU: graph, TE, profile and DeepSpeed-config tests; FP8 mb 4 again
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_transformer_engine.py \
+      tests/test_profiling.py tests/test_ds_config.py > "$OUT/logs/test_units.log" 2>&1
+  echo "[test_units] rc=$? $(tail -1 "$OUT/logs/test_units.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_units.log" | head -8
+  gpu_tests test_gpu_graphs_fp16 0 330 "cuda_graphs or fp16_overflowing"
+  bench fp8_mb4_again 0 29730 150 --model reference --steps 20 --warmup 6 --label "${L_GRAPHS/, --cuda-graphs/}, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64
+  bench fp8_mb4_gc 0 29730 150 --model reference --steps 20 --warmup 6 --label "${L_GRAPHS/, --cuda-graphs/}, no per-micro-batch sync, --manual-gc" -- \
+      "${FP8[@]}" --global-batch-size 64 --manual-gc
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
