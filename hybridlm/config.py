@@ -68,7 +68,7 @@ class ModelConfig:
     fused_ops: str = _f("auto", "Fused kernels built through DeepSpeed's op builder: auto (each where it beats torch.compile on this device), all, none, or a comma list of rmsnorm,rope,swiglu.")
     require_fused_ops: bool = _f(False, "Stop when a requested fused kernel cannot be built, instead of falling back to PyTorch.")
     torch_compile: bool = _f(False, "torch.compile each transformer layer, and the cross-entropy with TP=1 (fuses norms, RoPE, SwiGLU and residuals; the first steps pay the compile).")
-    cuda_graphs: bool = _f(False, "Capture each transformer layer's forward and backward as CUDA graphs (Transformer Engine's make_graphed_callables) and replay them in training, for runs whose GPU waits on Python; TP=1, no PP, MoE, recompute, dropout, ZeRO-3 or FP8 yet.",
+    cuda_graphs: bool = _f(False, "Capture each transformer layer's forward and backward as CUDA graphs (Transformer Engine's make_graphed_callables) and replay them in training, for runs whose GPU waits on Python; TP=1, no PP, MoE, recompute, dropout or ZeRO-3 yet.",
                            aliases=("--external-cuda-graph",))
     num_experts: Optional[int] = _f(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
     moe_layer_freq: int = _f(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
