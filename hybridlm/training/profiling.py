@@ -6,7 +6,10 @@ unrepresentative (allocator warm-up, DeepSpeed bucket set-up), so the user names
 steps completed: the profiler starts when that number reaches A and stops when it reaches
 B, so the trace holds iterations A+1 .. B, each under a ``ProfilerStep#<iteration>``
 marker. Every rank writes its own ``trace_rank{r}_steps{A}-{B}.json`` (open it in
-Perfetto or chrome://tracing): pipeline stages and TP ranks do different work.
+Perfetto or chrome://tracing): pipeline stages and TP ranks do different work. Rank 0 also
+prints a summary: GPU time by kind of kernel, the heaviest kernels, and the idle GPU time
+summed by where the host was (the training loop marks its phases ``hybridlm.forward``,
+``hybridlm.backward``, ``hybridlm.step``, ``hybridlm.next_batch`` and ``hybridlm.log``).
 """
 from __future__ import annotations
 
@@ -175,7 +178,9 @@ def idle_sites(trace_events: list[dict]) -> dict[str, list[tuple[float, int, flo
       still open at the end of the profiled steps counts as "(after the steps)".
 
     Host-bound steps idle in many gaps too short to see one by one; summed by site they say
-    which host work to shorten, move or stop waiting on."""
+    which host work to shorten, move or stop waiting on. Gaps between back-to-back kernels
+    (a few microseconds each) count too: thousands of tiny gaps under one site are launch
+    latency, not a stall."""
     kernels = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e) for e in trace_events if e["cat"] == "kernel")
     steps = [e for e in trace_events if e["name"].startswith("ProfilerStep#") and e["cat"] == "user_annotation"]
     if not kernels or not steps:
