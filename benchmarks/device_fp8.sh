@@ -28,6 +28,7 @@
 #           FP8 mb 4 with and without --cuda-graphs, bf16 compiled, FP8 --cuda-graphs profiled
 #   fa_fp8  (the warm machine `fa` just ran on, .device restaged with `stage.sh ds te`) FP8 mb 4 with
 #           flash-attn-4, without and with --cuda-graphs; bf16 compiled with flash-attn-4
+#   fa_fp8_long (as fa_fp8) the graphed FP8 flash-attn-4 run timed after 20 warm-up steps
 #   checks  (one GPU) the graph/TE/profile/DeepSpeed-config tests, the end-to-end graph and fp16 tests,
 #           FP8 mb 4 without graphs again, and with --manual-gc
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
@@ -35,7 +36,7 @@ set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync, checks or fa_fp8}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync, checks, fa_fp8 or fa_fp8_long}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -172,6 +173,12 @@ if [ "$what" = fa_fp8 ]; then  # the call after `fa` on the same warm machine, .
       "${FP8[@]}" --global-batch-size 64 --attention-backend flash --cuda-graphs
   bench bf16_flash 0 29740 170 --model reference --steps 20 --warmup 6 --label "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, pinned batches, flash-attn-4, no per-micro-batch sync" -- \
       --bf16 --deepspeed_config ds_configs/zero1.json --torch-compile --global-batch-size 64 --attention-backend flash
+fi
+
+if [ "$what" = fa_fp8_long ]; then  # as fa_fp8's graphed FP8 run, timed after 20 warm-up steps (it was still speeding up at 26)
+  python3 -c "import flash_attn.cute" 2>/dev/null && echo "flash-attn-4 present" || { echo "NO flash-attn-4"; exit 1; }
+  bench fp8_flash_graphs_mb4_long 0 29750 240 --model reference --steps 20 --warmup 20 --label "${L_GRAPHS/cuDNN attention/flash-attn-4}, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64 --attention-backend flash --cuda-graphs
 fi
 
 if [ "$what" = checks ]; then  # this session's changes on a GPU: graph, TE, profile and DeepSpeed-config tests; FP8 mb 4 again
