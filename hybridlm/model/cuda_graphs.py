@@ -101,13 +101,13 @@ def _first_calls_outside_capture(layers, samples, recipe, calls: int = 2) -> Non
     compiled in that warmup recompiles inside the capture, where compiling fails (the bf16
     reference model did, on an H200). Called here without hooks, twice (so that a graph also
     exists for what the first call left behind), the capture finds its graph cached."""
-    side_stream = torch.cuda.stream(torch.cuda.Stream(samples[0][0].device)) if samples[0][0].is_cuda else contextlib.nullcontext()
-    with side_stream, fp8_context(recipe):
+    on_gpu = samples[0][0].is_cuda
+    with torch.cuda.stream(torch.cuda.Stream()) if on_gpu else contextlib.nullcontext(), fp8_context(recipe):
         for _ in range(calls):
             for layer, (x,) in zip(layers, samples):
                 y = layer(x)
                 torch.autograd.grad(y, (x, *layer.parameters()), torch.ones_like(y), allow_unused=True)
-    if samples[0][0].is_cuda:
+    if on_gpu:
         torch.cuda.synchronize()
 
 

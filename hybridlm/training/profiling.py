@@ -192,7 +192,8 @@ def idle_sites(trace_events: list[dict]) -> dict[str, list[tuple[float, int, flo
         if e["cat"] in ("cpu_op", "user_annotation", "cuda_runtime") and not e["name"].startswith("ProfilerStep#"):
             ops.setdefault(e.get("tid"), []).append(e)
     ops = {thread: _HostOps(events) for thread, events in ops.items()}
-    main_ops, no_ops = ops.get(main_thread, _HostOps([])), _HostOps([])
+    no_ops = _HostOps([])
+    main_ops = ops.get(main_thread, no_ops)
     launches = {e.get("args", {}).get("correlation"): e for e in trace_events if e["cat"] == "cuda_runtime"}
 
     def site(outer_at: float, thread, inner_at: float, runtime_calls: bool) -> str:
