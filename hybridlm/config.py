@@ -70,6 +70,7 @@ class ModelConfig:
     torch_compile: bool = _f(False, "torch.compile each transformer layer, and the cross-entropy with TP=1 (fuses norms, RoPE, SwiGLU and residuals; the first steps pay the compile).")
     cuda_graphs: bool = _f(False, "Capture each transformer layer's forward and backward as CUDA graphs (Transformer Engine's make_graphed_callables) and replay them in training, for runs whose GPU waits on Python; TP=1, no PP, MoE, recompute, dropout or ZeRO-3 yet.",
                            aliases=("--external-cuda-graph",))
+    gradient_accumulation_fusion: bool = _f(False, "Let Transformer Engine's weight-gradient GEMMs add each micro-batch's product into the accumulated gradients (Megatron's flag) instead of a separate addition per parameter; needs --transformer-impl transformer_engine, ZeRO 0 or 1 and no PP.")
     num_experts: Optional[int] = _f(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
     moe_layer_freq: int = _f(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
     moe_ffn_hidden_size: Optional[int] = _f(None, "Inner width of each expert (default: --ffn-hidden-size).")
@@ -282,6 +283,8 @@ class RunConfig:
                               "all-to-all has not been checked inside compiled layers on NCCL; compile works with EP=1 under TP, DP, PP and ZeRO.")
         if m.cuda_graphs:
             self._check_cuda_graphs(tp, pp)
+        if m.gradient_accumulation_fusion:
+            self._check_gradient_accumulation_fusion(pp)
         if m.fp8_format and not t.bf16:
             raise ConfigError(f"--fp8-format {m.fp8_format} needs --bf16: FP8 runs inside a bf16 model.")
         if t.micro_batch_size < 1:
@@ -316,16 +319,22 @@ class RunConfig:
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""
         m, p = self.model, self.parallel
-        refusal = next((why for bad, why in (
+        _refuse_first("--cuda-graphs", (
             (pp > 1, f"--pipeline-model-parallel-size {pp}: the pipeline engine runs its own micro-batch schedule"),
             (tp > 1, f"--tensor-model-parallel-size {tp}: TP collectives inside captured graphs have not been checked yet"),
             (m.num_experts is not None, "--num-experts: routing sends each expert a different number of tokens every micro-batch"),
             (p.recompute_granularity is not None, f"--recompute-granularity {p.recompute_granularity}: recompute re-enters the layer in backward"),
             (m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout: its RNG tracker swaps generator states, which a replay would not"),
             (p.zero_stage == 3, f"ZeRO stage 3 (from {self.train.deepspeed_config}): it gathers parameters in module hooks"),
-        ) if bad), None)
-        if refusal:
-            raise ConfigError(f"--cuda-graphs cannot be combined with {refusal}.")
+        ))
+
+    def _check_gradient_accumulation_fusion(self, pp: int) -> None:
+        m, p = self.model, self.parallel
+        _refuse_first("--gradient-accumulation-fusion", (
+            (m.transformer_impl != "transformer_engine", "--transformer-impl local: only Transformer Engine's GEMMs accumulate into the gradients"),
+            (p.zero_stage >= 2, f"ZeRO stage {p.zero_stage} (from {self.train.deepspeed_config}): it takes each micro-batch's gradients and accumulates them itself"),
+            (pp > 1, f"--pipeline-model-parallel-size {pp}: the pipeline engine's micro-batch loop has not been checked with it"),
+        ))
 
     def _check_moe_layout(self, tp: int, ep: int) -> None:
         m = self.model
@@ -484,6 +493,13 @@ def world_size_from_env() -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return 1
+
+
+def _refuse_first(flag: str, cases) -> None:
+    """One sentence for the first (is_bad, why) case that holds: "<flag> cannot be combined with <why>."."""
+    why = next((why for bad, why in cases if bad), None)
+    if why:
+        raise ConfigError(f"{flag} cannot be combined with {why}.")
 
 
 def flags_markdown() -> str:

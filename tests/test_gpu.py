@@ -144,3 +144,18 @@ def test_cuda_graphs_train_as_the_uncaptured_layers_do(tmp_path, impl):
     valid = [[r["valid_loss"] for r in map(json.loads, open(tmp_path / name)) if "valid_loss" in r]
              for name in ("eager.jsonl", "graphed.jsonl")]
     assert len(valid[0]) == 3 and all(abs(a - b) <= 2e-3 * abs(a) for a, b in zip(*valid)), f"validation losses {valid}"
+
+
+@has_te
+@pytest.mark.parametrize("extra", [[], ["--deepspeed_config", "ds_configs/zero0.json"],
+                                   ["--torch-compile", "--fp8-format", "hybrid", "--cuda-graphs", "--attention-backend", "sdpa"]],
+                         ids=["te_bf16_zero1", "te_bf16_zero0", "te_fp8_compiled_graphs_zero1"])
+def test_gradient_accumulation_fusion_trains_as_separate_accumulation(tmp_path, extra):
+    # Four micro-batches a step: TE's GEMMs add into the gradients DeepSpeed reduces, against
+    # autograd adding them; the same sums to bf16 rounding.
+    flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
+             "--log-interval", "1", "--transformer-impl", "transformer_engine", *extra]
+    separate = _launch(1, flags, tmp_path / "separate.jsonl")
+    fused = _launch(1, flags + ["--gradient-accumulation-fusion"], tmp_path / "fused.jsonl")
+    for step, (a, b) in enumerate(zip(separate, fused), start=1):
+        assert abs(a - b) <= 2e-3 * abs(a), f"step {step}: loss with fused accumulation {b} vs separate {a}"

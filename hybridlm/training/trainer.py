@@ -32,7 +32,8 @@ from ..model.attention_backends import resolve_backend
 from ..model.cuda_graphs import capture_layers
 from ..model.specs import apply_recompute, build_model, compile_layers, transformer_layers
 from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
-                                        fp8_recipe)
+                                        fp8_recipe, te_modules_in)
+from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.moe import set_aux_loss_scale
@@ -79,7 +80,27 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     if cfg.model.cuda_graphs and offloaded:
         raise ConfigError(f"--cuda-graphs cannot be combined with offload_{offloaded[0]} (in {cfg.train.deepspeed_config}): "
                           "captured graphs with offloaded ZeRO state have not been checked.")
+    if cfg.model.gradient_accumulation_fusion:
+        check_gradient_accumulation_fusion(ds, cfg, offloaded)
     return cfg, ds
+
+
+def check_gradient_accumulation_fusion(ds: dict, cfg: RunConfig, offloaded: list[str]) -> None:
+    """What the DeepSpeed JSON must leave alone for TE to accumulate into the gradients DeepSpeed reads."""
+    from deepspeed.runtime.config import DtypeEnum
+    path = cfg.train.deepspeed_config
+    if offloaded:
+        raise ConfigError(f"--gradient-accumulation-fusion cannot be combined with offload_{offloaded[0]} (in {path}): "
+                          "offloaded gradients have not been checked with it.")
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    if accum is not None and DtypeEnum(accum).value != model_dtype(cfg):
+        raise ConfigError(f"--gradient-accumulation-fusion cannot be combined with \"data_types.grad_accum_dtype\": {accum!r} "
+                          f"in {path}: DeepSpeed then moves every micro-batch's gradients into an accumulator of its own.")
+
+
+def model_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype DeepSpeed gives the parameters (and accumulates their gradients in, by default)."""
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
 
 def check_model_impl(cfg: RunConfig) -> str:
@@ -117,6 +138,7 @@ class Run:
     valid_data: object = None
     iteration: int = 0
     phase: MicroBatchPhase = field(default_factory=MicroBatchPhase)  # read by TE's FP8 weight cache
+    main_grads: Optional[MainGrads] = None  # --gradient-accumulation-fusion: zeroed before each step
     wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
 
     @property
@@ -150,6 +172,8 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     if cfg.model.torch_compile:
         compile_layers(model)
         plan.compile_loss()
+    # before deepspeed.initialize: its gradient hooks must come after the fusion's
+    main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
 
     offloading = offload_device(ds_config, "optimizer") is not None
     optimizer = None
@@ -167,7 +191,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
         lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
     train_data, valid_data = build_datasets(cfg)
-    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, phase=phase)
+    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, phase=phase, main_grads=main_grads)
     if t.load:
         client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
         if client_state is None:
@@ -254,6 +278,8 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
         loss = engine.train_batch(batches)
     else:
         total = torch.zeros((), device=engine.device)
+        if run.main_grads is not None:
+            run.main_grads.zero_()
         for micro in range(run.cfg.gradient_accumulation_steps):
             with record_function("hybridlm.next_batch"):  # names in a --profile-step-range trace
                 tokens, labels = next(batches)
