@@ -31,12 +31,18 @@
 #   fa_fp8_long (as fa_fp8) the graphed FP8 flash-attn-4 run timed after 20 warm-up steps
 #   checks  (one GPU) the graph/TE/profile/DeepSpeed-config tests, the end-to-end graph and fp16 tests,
 #           FP8 mb 4 without graphs again, and with --manual-gc
+#   fusion  (one GPU, `stage.sh ds te`) --gradient-accumulation-fusion: its GPU unit tests and the graph
+#           tests, then FP8 mb 4 with --cuda-graphs (cuDNN attention) with the fusion and without, side by side
+#   fusion_more (the same) the end-to-end fusion tests (TE bf16 ZeRO-1/ZeRO-0, FP8 compiled with graphs);
+#           FP8 mb 4 fused without graphs; FP8 mb 4 fused with graphs, profiled
+#   fa_fusion (the warm machine `fa` just ran on, .device restaged with `stage.sh ds te`) FP8 mb 4 with
+#           flash-attn-4, --cuda-graphs and the fusion, timed after 20 warm-up steps, and without the fusion
 # From the repo root:  bash benchmarks/device_fp8.sh MODE   (rows land in $OUT/rows.md)
 set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync, checks, fa_fp8 or fa_fp8_long}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync, checks, fa_fp8, fa_fp8_long, fusion, fusion_more or fa_fusion}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -190,6 +196,33 @@ if [ "$what" = checks ]; then  # this session's changes on a GPU: graph, TE, pro
       "${FP8[@]}" --global-batch-size 64
   bench fp8_mb4_gc 0 29730 150 --model reference --steps 20 --warmup 6 --label "${L_GRAPHS/, --cuda-graphs/}, no per-micro-batch sync, --manual-gc" -- \
       "${FP8[@]}" --global-batch-size 64 --manual-gc
+fi
+
+L_FUSED="$L_GRAPHS, no per-micro-batch sync, --gradient-accumulation-fusion"
+if [ "$what" = fusion ]; then  # TE's GEMMs accumulating the weight gradients: tests, then with and without it
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_wgrad_fusion.py tests/test_cuda_graphs.py \
+      > "$OUT/logs/test_fusion.log" 2>&1
+  echo "[test_fusion] rc=$? $(tail -1 "$OUT/logs/test_fusion.log")"; grep -h -E '^(E  |FAILED)' "$OUT/logs/test_fusion.log" | head -8
+  bench fp8_fused_graphs_mb4 0 29760 190 --model reference --steps 20 --warmup 6 --label "$L_FUSED" -- \
+      "${FP8[@]}" --global-batch-size 64 --cuda-graphs --gradient-accumulation-fusion
+  bench fp8_graphs_mb4 0 29760 190 --model reference --steps 20 --warmup 6 --label "$L_GRAPHS, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64 --cuda-graphs
+fi
+
+if [ "$what" = fusion_more ]; then
+  gpu_tests test_gpu_fusion 0 300 "gradient_accumulation_fusion"
+  bench fp8_fused_mb4 0 29770 170 --model reference --steps 20 --warmup 6 --label "${L_FUSED/, --cuda-graphs/}" -- \
+      "${FP8[@]}" --global-batch-size 64 --gradient-accumulation-fusion
+  bench fp8_fused_graphs_mb4_prof 0 29770 170 --model reference --steps 14 --warmup 6 --label "$L_FUSED" -- \
+      "${FP8[@]}" --global-batch-size 64 --cuda-graphs --gradient-accumulation-fusion --profile-step-range 10,11 --profile-dir "$OUT/prof/fused"
+fi
+
+if [ "$what" = fa_fusion ]; then  # the call after `fa` on the same warm machine, .device restaged with ds te
+  python3 -c "import flash_attn.cute" 2>/dev/null && echo "flash-attn-4 present" || { echo "NO flash-attn-4"; exit 1; }
+  bench fp8_flash_fused_graphs_mb4 0 29780 260 --model reference --steps 20 --warmup 20 --label "${L_FUSED/cuDNN attention/flash-attn-4}" -- \
+      "${FP8[@]}" --global-batch-size 64 --attention-backend flash --cuda-graphs --gradient-accumulation-fusion
+  bench fp8_flash_graphs_mb4 0 29780 260 --model reference --steps 20 --warmup 20 --label "${L_GRAPHS/cuDNN attention/flash-attn-4}, no per-micro-batch sync" -- \
+      "${FP8[@]}" --global-batch-size 64 --attention-backend flash --cuda-graphs
 fi
 
 find "$OUT/prof" -name 'trace_rank*.json' -delete 2>/dev/null
