@@ -132,6 +132,7 @@ def _train(flags: list[str], fused: bool, captured: bool = False, steps: int = 3
     from hybridlm.model.transformer_engine import te_modules_in
     from hybridlm.model.weights import init_parameters
     from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.random import seed_everything
     from hybridlm.parallel.state import ParallelState
     from hybridlm.training.distributed import init_distributed
     from hybridlm.training.optim import WarmupDecayLR, build_optimizer
@@ -139,9 +140,10 @@ def _train(flags: list[str], fused: bool, captured: bool = False, steps: int = 3
     cfg, ds = prepare_config(parse_args(flags))
     init_distributed(1.0)
     p, t = cfg.parallel, cfg.train
-    ps = ParallelState(tp=1, pp=1, dp=p.data_parallel_size, ep=1)
+    ps = ParallelState(tp=p.tensor_model_parallel_size, pp=1, dp=p.data_parallel_size, ep=1)
+    seed_everything(t.seed, ps.tp.rank, ps.pp.rank)
     phase = MicroBatchPhase()
-    plan = ParallelPlan(ps.tp, local_matmul=partial(StandInMatmul, phase=phase, captured=captured),
+    plan = ParallelPlan(ps.tp, sequence_parallel=p.sequence_parallel, local_matmul=partial(StandInMatmul, phase=phase, captured=captured),
                         local_norm_mlp=partial(StandInNormMLP, phase=phase, captured=captured))
     model = build_model(cfg.model, plan)
     init_parameters(model, t.seed, ps.tp, ps.ep)
@@ -165,15 +167,16 @@ def _overlapping_zero1(tmp_path) -> list[str]:
 
 
 @cpu_only
-@pytest.mark.parametrize("zero, precision, ranks, captured", [
+@pytest.mark.parametrize("zero, extra, ranks, captured", [
     ("zero0", [], 2, False), ("zero1", ["--bf16"], 1, False), ("zero1", [], 2, True), ("zero1_overlap", ["--bf16"], 2, False),
-], ids=["zero0_fp32_dp2", "zero1_bf16", "zero1_fp32_dp2_always_accumulating", "zero1_overlap_comm_bf16_dp2"])
-def test_fused_accumulation_trains_as_autograd_accumulation_through_deepspeed(tmp_path, zero, precision, ranks, captured):
+    ("zero1", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, False),
+], ids=["zero0_fp32_dp2", "zero1_bf16", "zero1_fp32_dp2_always_accumulating", "zero1_overlap_comm_bf16_dp2", "zero1_fp32_tp2_sp"])
+def test_fused_accumulation_trains_as_autograd_accumulation_through_deepspeed(tmp_path, zero, extra, ranks, captured):
     # TINY: 4 micro-batches per step on one rank (2 on each of two); three steps. The sums are
     # the same additions in the same order, so losses and weights agree exactly. Always
     # accumulating (as captured layers do), the buffer must be zeroed between steps.
     config = _overlapping_zero1(tmp_path) if zero == "zero1_overlap" else ds_config(zero)
-    flags = TINY + config + precision
+    flags = TINY + config + extra
     separate = run_ranks(ranks, _train, flags, False)
     fused = run_ranks(ranks, _train, flags, True, captured)
     assert fused[0]["fused"] == 4 * 4  # per layer: QKV, attention output, the MLP block's fc1 and fc2
