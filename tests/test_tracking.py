@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import sys
 import time
@@ -199,7 +200,8 @@ def test_training_logs_to_wandb_and_tensorboard_and_a_resume_continues_the_same_
     first = run_ranks(2, _train, flags + ["--train-iters", "2", "--profile-step-range", "0,1"])[0]
     second = run_ranks(2, _train, flags + ["--train-iters", "4", "--load", str(save)])[0]
     folders = sorted((save / "wandb").glob("offline-run-*"))
-    run_ids = {folder.name.rsplit("-", 1)[1] for folder in folders}
+    # offline-run-<date>_<time>-<id>, and W&B appends -1 when a resume starts within the same second
+    run_ids = {re.match(r"offline-run-\d{8}_\d{6}-([a-z0-9]+)", folder.name).group(1) for folder in folders}
     assert len(run_ids) == 1, f"the resumed job started a new W&B run: {folders}"
     history = {}
     for folder in folders:
