@@ -85,14 +85,17 @@ def test_transformer_engine_linears_track_the_local_ones_in_bf16(tmp_path, compi
 
 @has_te
 @two_gpus
-@pytest.mark.parametrize("sp", [["--sequence-parallel"], []], ids=["sp", "no_sp"])
-def test_transformer_engine_linears_under_tp2_track_one_gpu(tmp_path, sp):
+@pytest.mark.parametrize("variant", [["--sequence-parallel"], [], ["--gradient-accumulation-fusion"]],
+                         ids=["sp", "no_sp", "no_sp_gradient_accumulation_fusion"])
+def test_transformer_engine_linears_under_tp2_track_one_gpu(tmp_path, variant):
     # Without SP the norms fuse into the QKV and fc1 GEMMs (TE LayerNormLinear) and their
-    # gradients are summed over TP; with SP the all-gather sits between norm and GEMM.
+    # gradients are summed over TP; with SP the all-gather sits between norm and GEMM. With
+    # the fusion, the 1-GPU run it is compared with has it too.
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
              "--log-interval", "1", "--transformer-impl", "transformer_engine"]
-    one = _launch(1, flags, tmp_path / "one.jsonl")
-    two = _launch(2, flags + ["--tensor-model-parallel-size", "2", *sp], tmp_path / "two.jsonl")
+    fusion = [f for f in variant if f == "--gradient-accumulation-fusion"]
+    one = _launch(1, flags + fusion, tmp_path / "one.jsonl")
+    two = _launch(2, flags + ["--tensor-model-parallel-size", "2", *variant], tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 2e-2 * abs(a), f"step {step}: TP=2 TE loss {b} vs 1 GPU {a}"
 
