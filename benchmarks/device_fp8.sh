@@ -35,6 +35,7 @@
 #           tests, then FP8 mb 4 with --cuda-graphs (cuDNN attention) with the fusion and without, side by side
 #   fusion_more (the same) the end-to-end fusion tests (TE bf16 ZeRO-1/ZeRO-0, FP8 compiled with graphs);
 #           FP8 mb 4 fused without graphs; FP8 mb 4 fused with graphs, profiled
+#   fusion_tp2 (two GPUs, `stage.sh ds te`) the TE-under-TP=2 end-to-end tests, the fused variant included
 #   sidebyside (one GPU) bf16 compiled, cuDNN attention, beside the three baselines in one process (after
 #           DeepSpeed's per-micro-batch sync went; the HF baseline keeps DeepSpeed's defaults, as its users run it)
 #   fa_fusion (the warm machine `fa` just ran on, .device restaged with `stage.sh ds te`) FP8 mb 4 with
@@ -44,7 +45,7 @@ set -uo pipefail
 source .device/install.sh || exit 1
 export HYBRIDLM_DEVICE_READY=1 PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs" "$OUT/prof"
-what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync, checks, fa_fp8, fa_fp8_long, fusion, fusion_more, sidebyside or fa_fusion}
+what=${1:?a mode: fa, round1, round2, round3, final, pieces, graphs, graphs_final, graphs_fp8, graphs_more, graphs_gaps, graphs_idle, nosync, checks, fa_fp8, fa_fp8_long, fusion, fusion_more, fusion_tp2, sidebyside or fa_fusion}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 source benchmarks/device_common.sh
 
@@ -217,6 +218,10 @@ if [ "$what" = fusion_more ]; then
       "${FP8[@]}" --global-batch-size 64 --gradient-accumulation-fusion
   bench fp8_fused_graphs_mb4_prof 0 29770 170 --model reference --steps 14 --warmup 6 --label "$L_FUSED" -- \
       "${FP8[@]}" --global-batch-size 64 --cuda-graphs --gradient-accumulation-fusion --profile-step-range 10,11 --profile-dir "$OUT/prof/fused"
+fi
+
+if [ "$what" = fusion_tp2 ]; then
+  gpu_tests test_gpu_te_tp2 0,1 560 "under_tp2"
 fi
 
 if [ "$what" = sidebyside ]; then
