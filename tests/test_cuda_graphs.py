@@ -194,7 +194,6 @@ def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_
     for index, (g, e) in enumerate(zip(captured_grads, eager_grads)):
         assert _relative_error(g, e) < (5e-3 if fused else 1e-3), f"parameter {index}: gradient accumulated over the step"
     if fp8:  # the replays' amaxes reach TE's scale update (the captured modules once stayed at scale 1)
-        from hybridlm.model.transformer_engine import te_modules_in
         pairs = [(a, b) for x, y in zip(layers, reference) for a, b in zip(te_modules_in(x), te_modules_in(y))
                  if "scaling_fwd" in b.fp8_meta]
         assert pairs

@@ -136,7 +136,8 @@ def _train(flags: list[str], fused: bool, captured: bool = False, steps: int = 3
     from hybridlm.parallel.state import ParallelState
     from hybridlm.training.distributed import init_distributed
     from hybridlm.training.optim import WarmupDecayLR, build_optimizer
-    from hybridlm.training.trainer import Run, build_datasets, data_iterator, model_dtype, prepare_config, train_step
+    from hybridlm.training.ds_config import model_dtype
+    from hybridlm.training.trainer import Run, build_datasets, data_iterator, prepare_config, train_step
     cfg, ds = prepare_config(parse_args(flags))
     init_distributed(1.0)
     p, t = cfg.parallel, cfg.train
@@ -205,7 +206,7 @@ def test_layouts_that_accumulate_gradients_another_way_are_refused_before_any_pr
     ({}, ["optimizer"], "offload_optimizer"),
 ], ids=["fp32_accumulation", "offload"])
 def test_deepspeed_settings_that_take_the_gradients_away_are_refused(json_part, offloaded, sentence):
-    from hybridlm.training.trainer import check_gradient_accumulation_fusion
+    from hybridlm.training.ds_config import check_gradient_accumulation_fusion
     cfg = parse_args(TINY + ["--bf16", "--transformer-impl", "transformer_engine", "--gradient-accumulation-fusion"])
     with pytest.raises(ConfigError, match=f"--gradient-accumulation-fusion cannot be combined with {sentence}"):
         check_gradient_accumulation_fusion(json_part, cfg, offloaded)

@@ -19,10 +19,11 @@ Zeroing: TE overwrites the buffer at a step's first micro-batch when it is told 
 is (``is_first_microbatch``), but a CUDA-graph replay, captured outside any step, always
 accumulates; so the training loop zeroes the buffer before each step (one memset).
 
-Where it does not fit (refused in ``RunConfig.validate`` and ``finalize_ds_config``): ZeRO 2 and
-3, and DeepSpeed's separate accumulation dtype (``data_types.grad_accum_dtype``), take ``.grad``
-at every micro-batch and accumulate it themselves, so a running sum would be counted again each
-time; DeepSpeed's pipeline engine runs its own micro-batch loop, not checked with this.
+Where it does not fit (refused in ``RunConfig.validate`` and
+``ds_config.check_gradient_accumulation_fusion``): ZeRO 2 and 3, and DeepSpeed's separate
+accumulation dtype (``data_types.grad_accum_dtype``), take ``.grad`` at every micro-batch and
+accumulate it themselves, so a running sum would be counted again each time; DeepSpeed's pipeline
+engine runs its own micro-batch loop, and offloaded gradients, are not checked with this.
 """
 from __future__ import annotations
 

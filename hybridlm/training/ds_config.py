@@ -12,6 +12,8 @@ import json
 import os
 import tempfile
 
+import torch
+
 from ..config import ConfigError, RunConfig
 
 # JSON path -> (flag, config section, field)
@@ -69,6 +71,24 @@ def adopt_ds_config(ds: dict, cfg: RunConfig, path: str) -> None:
     if "scheduler" in ds:
         raise ConfigError(f"{path} has a \"scheduler\" section; the schedule comes from --lr, --min-lr, --lr-warmup-iters "
                           "and --lr-decay-style, so remove it.")
+
+
+def model_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype DeepSpeed gives the parameters (and accumulates their gradients in, by default)."""
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
+
+
+def check_gradient_accumulation_fusion(ds: dict, cfg: RunConfig, offloaded: list[str]) -> None:
+    """What the JSON must leave alone for TE to accumulate into the gradients DeepSpeed reads."""
+    from deepspeed.runtime.config import DtypeEnum
+    path = cfg.train.deepspeed_config
+    if offloaded:
+        raise ConfigError(f"--gradient-accumulation-fusion cannot be combined with offload_{offloaded[0]} (in {path}): "
+                          "offloaded gradients have not been checked with it.")
+    accum = _get(ds, ("data_types", "grad_accum_dtype"))
+    if accum is not None and DtypeEnum(accum).value != model_dtype(cfg):
+        raise ConfigError(f"--gradient-accumulation-fusion cannot be combined with \"data_types.grad_accum_dtype\": {accum!r} "
+                          f"in {path}: DeepSpeed then moves every micro-batch's gradients into an accumulator of its own.")
 
 
 def offload_device(ds: dict, what: str) -> str | None:

@@ -42,7 +42,8 @@ from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
 from . import checkpoint
 from .distributed import device, init_distributed, on_gpu
-from .ds_config import adopt_ds_config, finalize_ds_config, offload_device, read_ds_config
+from .ds_config import (adopt_ds_config, check_gradient_accumulation_fusion, finalize_ds_config, model_dtype, offload_device,
+                        read_ds_config)
 from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .moe_metrics import collect_moe_stats
@@ -83,24 +84,6 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     if cfg.model.gradient_accumulation_fusion:
         check_gradient_accumulation_fusion(ds, cfg, offloaded)
     return cfg, ds
-
-
-def check_gradient_accumulation_fusion(ds: dict, cfg: RunConfig, offloaded: list[str]) -> None:
-    """What the DeepSpeed JSON must leave alone for TE to accumulate into the gradients DeepSpeed reads."""
-    from deepspeed.runtime.config import DtypeEnum
-    path = cfg.train.deepspeed_config
-    if offloaded:
-        raise ConfigError(f"--gradient-accumulation-fusion cannot be combined with offload_{offloaded[0]} (in {path}): "
-                          "offloaded gradients have not been checked with it.")
-    accum = ds.get("data_types", {}).get("grad_accum_dtype")
-    if accum is not None and DtypeEnum(accum).value != model_dtype(cfg):
-        raise ConfigError(f"--gradient-accumulation-fusion cannot be combined with \"data_types.grad_accum_dtype\": {accum!r} "
-                          f"in {path}: DeepSpeed then moves every micro-batch's gradients into an accumulator of its own.")
-
-
-def model_dtype(cfg: RunConfig) -> torch.dtype:
-    """The dtype DeepSpeed gives the parameters (and accumulates their gradients in, by default)."""
-    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
 
 def check_model_impl(cfg: RunConfig) -> str:
