@@ -1,0 +1,125 @@
+"""ModelConfig: every hyper-parameter of the network, validated in ``__post_init__``."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ..presets import MODELS
+from .fields import ConfigError, flag
+
+FUSED_OPS = ("rmsnorm", "rope", "swiglu")
+
+
+@dataclass
+class ModelConfig:
+    """Every hyper-parameter of the network; independent of how it is parallelised."""
+
+    model: Optional[str] = flag(None, f"Named shape from hybridlm/presets.py ({', '.join(MODELS)}); its flags come first, so flags given here (or in --config) win.")
+    num_layers: int = flag(4, "Number of transformer layers.")
+    hidden_size: int = flag(128, "Width of the residual stream.")
+    ffn_hidden_size: Optional[int] = flag(None, "MLP inner width (default: 4*hidden, or 8/3*hidden rounded up to 64 with SwiGLU).")
+    num_attention_heads: int = flag(4, "Query heads.")
+    num_query_groups: Optional[int] = flag(None, "Key/value heads for grouped-query attention (default: one per query head).")
+    kv_channels: Optional[int] = flag(None, "Head dimension (default: hidden / heads).")
+    seq_length: int = flag(128, "Tokens per sample.")
+    max_position_embeddings: Optional[int] = flag(None, "Size of the learned position table (default: seq-length).")
+    vocab_size: Optional[int] = flag(None, "Tokenizer vocabulary (default: the built-in tokenizer's).")
+    make_vocab_size_divisible_by: int = flag(128, "Pad the vocabulary to a multiple of this times TP (Megatron's rule).")
+    normalization: str = flag("RMSNorm", "Norm layer.", choices=("RMSNorm", "LayerNorm"))
+    norm_epsilon: float = flag(1e-5, "Epsilon of the norm layers.")
+    position_embedding_type: str = flag("rope", "Positions: rotary (Llama) or a learned table (GPT-2).", choices=("rope", "learned_absolute"))
+    rotary_base: float = flag(10000.0, "RoPE base frequency.")
+    swiglu: bool = flag(True, "SwiGLU MLP (Llama); --no-swiglu gives a GeLU MLP (GPT-2).")
+    add_bias_linear: bool = flag(False, "Biases in the linear layers (GPT-2 style).", aliases=("--disable-bias-linear",))
+    add_qkv_bias: bool = flag(False, "Biases in the query/key/value projection only (Qwen2 style).")
+    untie_embeddings_and_output_weights: bool = flag(False, "Separate input embedding and output projection.")
+    hidden_dropout: float = flag(0.0, "Dropout on the residual branches.")
+    attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
+    init_method_std: float = flag(0.02, "Std of the normal initialisation (output projections scaled by 1/sqrt(2*layers)).")
+    attention_backend: str = flag("auto", "Attention kernel: auto picks flash-attn when importable, else cuDNN SDPA on Hopper, else torch SDPA.",
+                                choices=("auto", "flash", "te", "cudnn", "sdpa"))
+    transformer_impl: str = flag("local", "Linear layers from this project, or from Transformer Engine (needed for FP8).", choices=("local", "transformer_engine"))
+    fp8_format: Optional[str] = flag(None, "FP8 matmuls through Transformer Engine: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (default: off).", choices=("hybrid", "e4m3"))
+    fp8_recipe: str = flag("delayed", "FP8 scaling: delayed (amax history) or current (per-tensor, this step's amax).", choices=("delayed", "current"))
+    fp8_amax_history_len: int = flag(1024, "Delayed scaling: steps of amax history.")
+    fused_ops: str = flag("auto", "Fused kernels built through DeepSpeed's op builder: auto (each where it beats torch.compile on this device), all, none, or a comma list of rmsnorm,rope,swiglu.")
+    require_fused_ops: bool = flag(False, "Stop when a requested fused kernel cannot be built, instead of falling back to PyTorch.")
+    torch_compile: bool = flag(False, "torch.compile each transformer layer, and the cross-entropy with TP=1 (fuses norms, RoPE, SwiGLU and residuals; the first steps pay the compile).")
+    cuda_graphs: bool = flag(False, "Capture each transformer layer's forward and backward as CUDA graphs (Transformer Engine's make_graphed_callables) and replay them in training, for runs whose GPU waits on Python; TP=1, no PP, MoE, recompute, dropout or ZeRO-3 yet.",
+                           aliases=("--external-cuda-graph",))
+    gradient_accumulation_fusion: bool = flag(False, "Let Transformer Engine's weight-gradient GEMMs add each micro-batch's product into the accumulated gradients (Megatron's flag) instead of a separate addition per parameter; needs --transformer-impl transformer_engine, ZeRO 0 or 1 and no PP.")
+    num_experts: Optional[int] = flag(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
+    moe_layer_freq: int = flag(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
+    moe_ffn_hidden_size: Optional[int] = flag(None, "Inner width of each expert (default: --ffn-hidden-size).")
+    moe_router_topk: int = flag(2, "Experts each token is routed to (softmax over the chosen experts' logits, as Mixtral).")
+    moe_aux_loss_coeff: float = flag(1e-2, "Weight of the load-balancing loss (Switch/GShard: E x sum of token fraction x mean probability).")
+    moe_z_loss_coeff: float = flag(0.0, "Weight of the router z-loss (mean squared log-sum-exp of the router logits).")
+    moe_capacity_factor: Optional[float] = flag(None, "Expert capacity as a multiple of an even share of the assignments; each expert keeps first choices before second ones, earlier tokens first, and drops the rest (default: dropless).")
+    moe_shared_expert_intermediate_size: Optional[int] = flag(None, "Width of a shared expert every token also goes through (default: none).")
+    moe_grouped_gemm: bool = flag(True, "Compute the experts as one grouped GEMM (torch.nn.functional.grouped_mm) where torch offers it; else a loop over experts.")
+    padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}.")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64) if self.swiglu else 4 * self.hidden_size
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(f"--num-attention-heads {self.num_attention_heads} is not divisible by --num-query-groups {self.num_query_groups}.")
+        if self.seq_length > self.max_position_embeddings and self.position_embedding_type == "learned_absolute":
+            raise ConfigError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings {self.max_position_embeddings}.")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}.")
+        if self.num_experts is not None:
+            self._check_moe()
+        self.fused_op_names()  # refuses an unknown name now, not at model build
+
+    @property
+    def graphed_attention_shape(self) -> Optional[tuple[int, int]]:
+        """(head dim, sequence length) when the layers are captured as CUDA graphs, for the attention backend's choice."""
+        return (self.kv_channels, self.seq_length) if self.cuda_graphs else None
+
+    def fused_op_names(self) -> Optional[tuple[str, ...]]:
+        """--fused-ops as names of kernels; None means "auto" (each op's own default for the device).
+        With --torch-compile, auto means none: inductor fuses these elementwise chains itself, and
+        an opaque custom op in the middle would only cut the fusion."""
+        if self.fused_ops == "auto":
+            return () if self.torch_compile else None
+        if self.fused_ops in ("all", "none"):
+            return FUSED_OPS if self.fused_ops == "all" else ()
+        names = tuple(n.strip() for n in self.fused_ops.split(",") if n.strip())
+        unknown = [n for n in names if n not in FUSED_OPS]
+        if unknown:
+            raise ConfigError(f"--fused-ops {self.fused_ops}: unknown kernel {unknown[0]!r} (have: auto, all, none, {', '.join(FUSED_OPS)}).")
+        return names
+
+    def _check_moe(self):
+        if self.num_experts < 1:
+            raise ConfigError(f"--num-experts must be positive, got {self.num_experts}.")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ConfigError(f"--moe-router-topk {self.moe_router_topk} must be between 1 and --num-experts {self.num_experts}.")
+        if self.moe_layer_freq < 1:
+            raise ConfigError(f"--moe-layer-freq must be positive, got {self.moe_layer_freq}.")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(f"--moe-capacity-factor must be positive, got {self.moe_capacity_factor}.")
+        if self.add_bias_linear:
+            raise ConfigError("--num-experts cannot be combined with --add-bias-linear: experts have no biases (as in Mixtral).")
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether 0-based layer ``layer_number`` has experts instead of the dense MLP (Megatron's rule)."""
+        return self.num_experts is not None and layer_number % self.moe_layer_freq == 0
+
+    def pad_vocab(self, tensor_parallel: int) -> int:
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel
+        return multiple * math.ceil(self.vocab_size / multiple)
+

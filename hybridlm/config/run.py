@@ -1,0 +1,144 @@
+"""RunConfig: the four sections together, and ``validate`` for every cross-constraint.
+
+``validate(world_size)`` runs before any process group exists, so a bad layout ends in one
+sentence on every rank instead of a hang inside a collective.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .fields import ConfigError, refuse_first
+from .model import ModelConfig
+from .sections import DataConfig, ParallelConfig, TrainConfig
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
+
+    def validate(self, world_size: int) -> "RunConfig":
+        """Check the layout against the world and fill derived fields. Pure: no process groups."""
+        m, p, t = self.model, self.parallel, self.train
+        tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+        for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp), ("--expert-model-parallel-size", ep)):
+            if v < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {v}.")
+        if world_size % (tp * pp):
+            raise ConfigError(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}; it must equal TP x PP x DP.")
+        p.data_parallel_size = world_size // (tp * pp)
+        if m.num_attention_heads % tp:
+            raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
+        if m.num_query_groups % tp:
+            raise ConfigError(f"--num-query-groups {m.num_query_groups} is not divisible by --tensor-model-parallel-size {tp}.")
+        if m.ffn_hidden_size % tp:
+            raise ConfigError(f"--ffn-hidden-size {m.ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}.")
+        if pp > m.num_layers:
+            raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every stage needs a layer.")
+        if ep > 1 and m.num_experts is None:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts: a dense model has no experts to split.")
+        if p.data_parallel_size % ep:
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {p.data_parallel_size} "
+                              f"(world {world_size} / (TP x PP) = {p.data_parallel_size}); EP is carved out of DP.")
+        if m.num_experts is not None:
+            self._check_moe_layout(tp, ep)
+        if p.sequence_parallel and tp == 1:
+            p.sequence_parallel = False  # nothing to shard over; Megatron does the same
+        if p.sequence_parallel and m.seq_length % tp:
+            raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel needs.")
+        if p.recompute_num_layers is not None and p.recompute_granularity != "full":
+            raise ConfigError("--recompute-num-layers needs --recompute-granularity full.")
+        if p.partition_activations is None:
+            p.partition_activations = tp > 1 and p.recompute_granularity == "full" and not p.sequence_parallel
+        elif p.partition_activations and p.sequence_parallel:
+            raise ConfigError("--partition-activations cannot be combined with --sequence-parallel: activations already differ across TP ranks.")
+        if p.zero_stage >= 2 and pp > 1:
+            raise ConfigError(f"ZeRO stage {p.zero_stage} (from {t.deepspeed_config}) cannot be combined with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline engine supports ZeRO 0 and 1 only.")
+        if t.bf16 and t.fp16:
+            raise ConfigError("--bf16 and --fp16 are mutually exclusive.")
+        if m.fp8_format and m.transformer_impl != "transformer_engine":
+            raise ConfigError(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine: FP8 matmuls come from Transformer Engine.")
+        if m.torch_compile and ep > 1:
+            raise ConfigError(f"--torch-compile cannot be combined with --expert-model-parallel-size {ep} yet: the expert "
+                              "all-to-all has not been checked inside compiled layers on NCCL; compile works with EP=1 under TP, DP, PP and ZeRO.")
+        if m.cuda_graphs:
+            self._check_cuda_graphs(tp, pp)
+        if m.gradient_accumulation_fusion:
+            self._check_gradient_accumulation_fusion(pp)
+        if m.fp8_format and not t.bf16:
+            raise ConfigError(f"--fp8-format {m.fp8_format} needs --bf16: FP8 runs inside a bf16 model.")
+        if t.micro_batch_size < 1:
+            raise ConfigError(f"--micro-batch-size must be positive, got {t.micro_batch_size}.")
+        per_step = t.micro_batch_size * p.data_parallel_size
+        if t.global_batch_size is None:
+            t.global_batch_size = per_step
+        if t.global_batch_size % per_step:
+            raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = {t.micro_batch_size} x {p.data_parallel_size}.")
+        if t.train_iters < 1:
+            raise ConfigError(f"--train-iters must be positive, got {t.train_iters}.")
+        if t.lr_decay_iters is None:
+            t.lr_decay_iters = t.train_iters
+        if t.lr_decay_style == "wsd" and t.lr_wsd_decay_iters is None:
+            t.lr_wsd_decay_iters = max(1, t.lr_decay_iters // 10)
+        if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
+            raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got {t.keep_last_n_checkpoints}.")
+        if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):
+            raise ConfigError(f"--eval-interval {t.eval_interval} and --eval-iters {t.eval_iters} must be positive.")
+        if t.ckpt_step is not None and not t.load:
+            raise ConfigError("--ckpt-step needs --load.")
+        if t.finetune and not t.load:
+            raise ConfigError("--finetune needs --load: it says what to take from the loaded checkpoint.")
+        if t.manual_gc_interval < 0 or (t.manual_gc_interval and not t.manual_gc):
+            raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
+        if t.exit_signal_handler and not t.save:
+            raise ConfigError("--exit-signal-handler needs --save: the checkpoint it writes on the signal has to go somewhere.")
+        if m.vocab_size is not None:
+            m.padded_vocab_size = m.pad_vocab(tp)
+        return self
+
+    def _check_cuda_graphs(self, tp: int, pp: int) -> None:
+        """What a captured layer cannot replay, or has not been checked with (one refusal each)."""
+        m, p = self.model, self.parallel
+        refuse_first("--cuda-graphs", (
+            (pp > 1, f"--pipeline-model-parallel-size {pp}: the pipeline engine runs its own micro-batch schedule"),
+            (tp > 1, f"--tensor-model-parallel-size {tp}: TP collectives inside captured graphs have not been checked yet"),
+            (m.num_experts is not None, "--num-experts: routing sends each expert a different number of tokens every micro-batch"),
+            (p.recompute_granularity is not None, f"--recompute-granularity {p.recompute_granularity}: recompute re-enters the layer in backward"),
+            (m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout: its RNG tracker swaps generator states, which a replay would not"),
+            (p.zero_stage == 3, f"ZeRO stage 3 (from {self.train.deepspeed_config}): it gathers parameters in module hooks"),
+        ))
+
+    def _check_gradient_accumulation_fusion(self, pp: int) -> None:
+        m, p = self.model, self.parallel
+        refuse_first("--gradient-accumulation-fusion", (
+            (m.transformer_impl != "transformer_engine", "--transformer-impl local: only Transformer Engine's GEMMs accumulate into the gradients"),
+            (p.zero_stage >= 2, f"ZeRO stage {p.zero_stage} (from {self.train.deepspeed_config}): it takes each micro-batch's gradients and accumulates them itself"),
+            (pp > 1, f"--pipeline-model-parallel-size {pp}: the pipeline engine's micro-batch loop has not been checked with it"),
+        ))
+
+    def _check_moe_layout(self, tp: int, ep: int) -> None:
+        m = self.model
+        if m.num_experts % ep:
+            raise ConfigError(f"--num-experts {m.num_experts} is not divisible by --expert-model-parallel-size {ep}: every EP rank holds the same number of experts.")
+        if m.moe_ffn_hidden_size % tp:
+            raise ConfigError(f"--moe-ffn-hidden-size {m.moe_ffn_hidden_size} is not divisible by --tensor-model-parallel-size {tp}: experts are split over TP.")
+        if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_intermediate_size % tp:
+            raise ConfigError(f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size} is not divisible by --tensor-model-parallel-size {tp}.")
+        if self.train.fp16:
+            raise ConfigError("--num-experts cannot be combined with --fp16: the aux-loss gradient does not follow fp16's dynamic loss scale; use --bf16.")
+        if self.parallel.zero_stage == 3:
+            raise ConfigError(f"--num-experts cannot be combined with ZeRO stage 3 (from {self.train.deepspeed_config}): "
+                              "DeepSpeed's expert parameter groups support ZeRO 0, 1 and 2 only.")
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name, _ in SECTIONS}
+
+
+SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig))
