@@ -26,7 +26,7 @@ if [ "$what" = dense ]; then
   GBS=32 ONE_GPU_LIMIT=330
   LAYOUT="TP=2 SP x PP=2 x DP=2, ZeRO-1, bf16, --torch-compile"
 elif [ "$what" = moe ]; then
-  SHAPE_FLAGS=(--num-layers 16 --hidden-size 1024 --num-attention-heads 16 --num-query-groups 8 --ffn-hidden-size 3584
+  SHAPE_FLAGS=(--num-layers 16 --hidden-size 1024 --num-attention-heads 16 --group-query-attention --num-query-groups 8 --ffn-hidden-size 3584
                --num-experts 8 --moe-router-topk 2 --moe-aux-loss-coeff 0.02 --micro-batch-size 2)
   SHAPE="Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), seq 2048"
   PARALLEL=(--expert-model-parallel-size 4)

@@ -22,13 +22,18 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--num-query-groups", "4",
+sys.path.insert(0, ROOT)
+from hybridlm.presets import LLAMA_BLOCK, LLAMA_OPTIMIZER  # noqa: E402  (imports nothing else of the package)
+
+# Llama-style block and optimiser spelled out: flags left out take Megatron-LM's defaults (a GPT-2/3 block).
+LLAMA = [*LLAMA_BLOCK, *LLAMA_OPTIMIZER]
+MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "4", *LLAMA,
          "--ffn-hidden-size", "2816", "--seq-length", "1024", "--vocab-size", "512",  # no TP-dependent vocabulary padding
          "--micro-batch-size", "4", "--global-batch-size", "32",
          "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "5", "--train-iters", "20", "--log-interval", "1",
          "--seed", "3"]
 # --tiny: a smoke test of this script on a CPU machine (4 gloo ranks, the tests' tiny model).
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "4",
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "4", *LLAMA,
         "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--train-iters", "20",
         "--log-interval", "1", "--seed", "7"]

@@ -16,37 +16,51 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-_LLAMA = ["--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--untie-embeddings-and-output-weights",
-          "--micro-batch-size", "1"]
+# The project's Llama-style block (pre-norm RMSNorm, rotary positions, SwiGLU, no biases, no
+# dropout) and the Llama papers' optimiser settings. Flags a user leaves out take Megatron-LM's
+# defaults (a GPT-2/3 block: LayerNorm, learned positions, GeLU, biases, dropout 0.1), so every
+# Llama-style preset says these explicitly.
+LLAMA_BLOCK_SETTINGS = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+                            hidden_dropout=0.0, attention_dropout=0.0)  # as ModelConfig keyword arguments
+LLAMA_BLOCK = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+               "--hidden-dropout", "0", "--attention-dropout", "0"]  # the same as flags
+LLAMA_OPTIMIZER = ["--adam-beta2", "0.95", "--weight-decay", "0.1", "--lr-decay-style", "cosine"]
+_LLAMA = [*LLAMA_BLOCK, *LLAMA_OPTIMIZER, "--norm-epsilon", "1e-5", "--untie-embeddings-and-output-weights", "--micro-batch-size", "1"]
+
+# A run that names no model (no --model and none of these flags) is the built-in tiny one.
+SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
 
 MODELS: dict[str, list[str]] = {
-    # The built-in default run (what `deepspeed scripts/pretrain.py` trains with no flags).
-    "tiny": [],
+    # The built-in default run (what `deepspeed scripts/pretrain.py` trains with no flags): a small
+    # Llama-style model on the built-in corpus, logging every 10 steps.
+    "tiny": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "384",
+             "--seq-length", "128", *LLAMA_BLOCK, *LLAMA_OPTIMIZER, "--min-lr", "3e-4", "--lr-warmup-iters", "20",
+             "--log-interval", "10", "--eval-iters", "10"],
     # The project's reference for speed: 940M-class Llama block, d2048 L16, seq 2048, vocab 32768.
     "reference": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "5504",
                   "--seq-length", "2048", "--micro-batch-size", "4", "--vocab-size", "32768",
-                  "--untie-embeddings-and-output-weights"],
+                  "--untie-embeddings-and-output-weights", *LLAMA_BLOCK, *LLAMA_OPTIMIZER],
     # Llama 2 (Touvron et al. 2023; the Hugging Face configs): 32k vocabulary, RoPE base 1e4, 4k context.
     "llama2-7b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size", "11008",
                   "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
     "llama2-13b": ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40", "--ffn-hidden-size", "13824",
                    "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
     # 70B uses grouped-query attention with 8 key/value heads.
-    "llama2-70b": ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--num-query-groups", "8",
-                   "--ffn-hidden-size", "28672", "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
+    "llama2-70b": ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--group-query-attention",
+                   "--num-query-groups", "8", "--ffn-hidden-size", "28672", "--seq-length", "4096", "--vocab-size", "32000", *_LLAMA],
     # Llama 3 8B: 128k vocabulary, GQA with 8 groups, RoPE base 5e5, 8k context.
-    "llama3-8b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups", "8",
-                  "--ffn-hidden-size", "14336", "--seq-length", "8192", "--vocab-size", "128256", "--rotary-base", "500000",
-                  *_LLAMA],
+    "llama3-8b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+                  "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--seq-length", "8192", "--vocab-size", "128256",
+                  "--rotary-base", "500000", *_LLAMA],
     # Mixtral-style MoE (8 experts, top-2, SwiGLU experts, GQA) small enough for CPU tests.
-    "mixtral-tiny": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-                     "--ffn-hidden-size", "128", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.02",
-                     "--seq-length", "64"],
+    "mixtral-tiny": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+                     "--num-query-groups", "2", "--ffn-hidden-size", "128", "--num-experts", "8", "--moe-router-topk", "2",
+                     "--moe-aux-loss-coeff", "0.02", "--seq-length", "64", *LLAMA_BLOCK, *LLAMA_OPTIMIZER],
     # Mixtral-8x7B's shape (46.7B parameters, 12.9B active per token).
-    "mixtral-8x7b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--num-query-groups", "8",
-                     "--ffn-hidden-size", "14336", "--num-experts", "8", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.02",
-                     "--seq-length", "4096", "--vocab-size", "32000", "--rotary-base", "1000000",
-                     "--untie-embeddings-and-output-weights", "--micro-batch-size", "1"],
+    "mixtral-8x7b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+                     "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--num-experts", "8", "--moe-router-topk", "2",
+                     "--moe-aux-loss-coeff", "0.02", "--seq-length", "4096", "--vocab-size", "32000", "--rotary-base", "1000000",
+                     "--untie-embeddings-and-output-weights", "--micro-batch-size", "1", *LLAMA_BLOCK, *LLAMA_OPTIMIZER],
 }
 
 

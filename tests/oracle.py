@@ -12,13 +12,20 @@ import os
 
 import torch
 
+from hybridlm.presets import LLAMA_BLOCK, LLAMA_OPTIMIZER
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Smallest model that still exercises every path: GQA (4 heads, 2 groups), 4 layers for
 # PP=4, vocab 512 (no padding at TP 1, 2 or 4, so every layout has the same full model), 4 micro-batches per step.
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-        "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--lr", "1e-2", "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "7"]
+# The Llama-style block and optimiser are spelled out (LLAMA_BLOCK: RMSNorm, RoPE, SwiGLU, no biases, no
+# dropout; LLAMA_OPTIMIZER: beta2 0.95, weight decay 0.1, cosine): flags left out take Megatron-LM's
+# defaults (LayerNorm, learned positions, GeLU, biases, dropout 0.1, beta2 0.999, ...).
+TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "32", "--vocab-size", "512",
+        *LLAMA_BLOCK, *LLAMA_OPTIMIZER, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-2",
+        "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--moe-aux-loss-coeff", "0.01", "--log-interval", "10",
+        "--eval-iters", "10", "--seed", "7"]
 
 
 def ds_config(name: str) -> list[str]:

@@ -86,10 +86,11 @@ def test_transformer_engine_without_a_gpu_is_refused_up_front():
 
 
 def test_fp8_needs_transformer_engine_and_bf16():
+    # Without --transformer-impl, FP8 picks Transformer Engine (Megatron's default implementation).
     with pytest.raises(ConfigError, match="--fp8-format hybrid needs --transformer-impl transformer_engine"):
-        prepare_config(parse_args(["--fp8-format", "hybrid", "--bf16"]), world_size=1)
+        prepare_config(parse_args(["--fp8-format", "hybrid", "--bf16", "--transformer-impl", "local"]), world_size=1)
     with pytest.raises(ConfigError, match="needs --bf16"):
-        prepare_config(parse_args(["--fp8-format", "e4m3", "--transformer-impl", "transformer_engine"]), world_size=1)
+        prepare_config(parse_args(["--fp8-format", "e4m3"]), world_size=1)
 
 
 # ---------------------------------------------------------------- GPU

@@ -5,12 +5,13 @@ import os
 
 import pytest
 
-from hybridlm.config import ConfigError, flags_markdown, parse_args
+from hybridlm.config import ConfigError, effective_yaml, flags_markdown, parse_args
 from oracle import ROOT
 
 
 def test_megatron_flag_names_fill_the_dataclasses():
-    cfg = parse_args(["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--num-query-groups", "2",
+    cfg = parse_args(["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8", "--group-query-attention",
+                      "--num-query-groups", "2",
                       "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
                       "--bf16", "--micro-batch-size", "2", "--global-batch-size", "16", "--local_rank=3"])
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_query_groups) == (8, 256, 2)
@@ -26,15 +27,49 @@ def test_validate_derives_dp_accumulation_and_padded_vocab():
     assert cfg.model.padded_vocab_size == 512  # a multiple of 128 x TP
 
 
-def test_llama_defaults_and_gpt2_variant_by_flags():
-    llama = parse_args([]).model
-    assert (llama.normalization, llama.position_embedding_type, llama.swiglu, llama.add_bias_linear) == ("RMSNorm", "rope", True, False)
-    assert llama.ffn_hidden_size % 64 == 0
-    gpt2 = parse_args(["--normalization", "LayerNorm", "--position-embedding-type", "learned_absolute", "--no-swiglu",
-                       "--add-bias-linear"]).model
-    assert gpt2.ffn_hidden_size == 4 * gpt2.hidden_size
+def test_a_run_naming_no_model_is_the_builtin_llama_style_tiny_one():
+    builtin = parse_args([])
+    assert builtin.model.model == "tiny"
+    m, t = builtin.model, builtin.train
+    assert (m.normalization, m.position_embedding_type, m.swiglu, m.add_bias_linear, m.hidden_dropout) == ("RMSNorm", "rope", True, False, 0.0)
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (4, 128, 384)  # the model it always was
+    assert (t.adam_beta2, t.weight_decay, t.lr_decay_style, t.min_lr, t.lr_warmup_iters) == (0.95, 0.1, "cosine", 3e-4, 20)
 
 
+def test_flags_a_script_leaves_out_take_megatron_defaults():
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2"])
+    m, t = cfg.model, cfg.train
+    assert m.model is None
+    assert (m.normalization, m.position_embedding_type, m.swiglu, m.add_bias_linear) == ("LayerNorm", "learned_absolute", False, True)
+    assert (m.hidden_dropout, m.attention_dropout, m.moe_aux_loss_coeff, m.transformer_impl) == (0.1, 0.1, 0.0, "local")
+    assert m.num_query_groups == 4, "without --group-query-attention Megatron ignores --num-query-groups"
+    assert m.ffn_hidden_size == 4 * 64
+    assert (t.adam_beta2, t.weight_decay, t.lr_decay_style, t.min_lr, t.lr_warmup_iters) == (0.999, 0.01, "linear", 0.0, 0)
+    assert (t.log_interval, t.eval_iters, t.lr_wsd_decay_style, t.exit_signal) == (100, 100, "exponential", "SIGTERM")
+
+
+@pytest.mark.parametrize("hidden, ffn", [(4096, 10880), (2048, 5440), (64, 128), (128, 320)])
+def test_swiglu_width_is_rounded_down_to_64_as_megatron(hidden, ffn):
+    assert parse_args(["--num-layers", "1", "--hidden-size", str(hidden), "--num-attention-heads", "4", "--swiglu"]).model.ffn_hidden_size == ffn
+
+
+def test_fp8_without_transformer_impl_picks_transformer_engine():
+    fp8 = parse_args(["--num-layers", "1", "--fp8-format", "hybrid"]).model
+    assert fp8.transformer_impl == "transformer_engine"
+    assert parse_args(["--num-layers", "1", "--fp8-format", "hybrid", "--transformer-impl", "local"]).model.transformer_impl == "local"
+
+
+def test_effective_yaml_shows_the_defaults_it_filled_in_and_reproduces_the_run(tmp_path):
+    import yaml
+    cfg = parse_args(["--num-layers", "2"])
+    (tmp_path / "config.yaml").write_text(effective_yaml(cfg))
+    written = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (written["normalization"], written["adam-beta2"], written["hidden-dropout"], written["transformer-impl"]) == \
+        ("LayerNorm", 0.999, 0.1, "local")
+    assert parse_args(["--config", str(tmp_path / "config.yaml")]).to_dict() == cfg.to_dict()
+    builtin = parse_args([])
+    (tmp_path / "tiny.yaml").write_text(effective_yaml(builtin))
+    assert parse_args(["--config", str(tmp_path / "tiny.yaml")]).to_dict() == builtin.to_dict()
 def test_partitioned_activations_default_on_for_tp_full_recompute_and_refused_with_sp():
     cfg = parse_args(["--tensor-model-parallel-size", "2", "--recompute-granularity", "full"]).validate(2)
     assert cfg.parallel.partition_activations

@@ -13,6 +13,7 @@ import torch
 from hybridlm.config import ConfigError, parse_args
 from hybridlm.model.cuda_graphs import grad_hooks_paused
 from oracle import TINY
+from hybridlm.presets import LLAMA_BLOCK_SETTINGS
 
 has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 if has_te:
@@ -108,7 +109,7 @@ def test_capture_finds_every_te_module_a_layer_calls_for_its_fp8_bookkeeping():
             made.append(self.module)
 
     plan = ParallelPlan(local_matmul=StandIn, local_norm_matmul=StandIn, local_norm_mlp=StandIn)
-    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128), plan)
+    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, **LLAMA_BLOCK_SETTINGS), plan)
     assert layer.mlp.fused is not None, "the norm + MLP block was not fused: the test would not look inside its wrapper"
     assert {id(m) for m in te_modules_in(layer)} == {id(m) for m in made}
 
@@ -118,8 +119,8 @@ def _tiny_layers(fp8: bool):
     from hybridlm.model.gpt import TransformerLayer
     from hybridlm.model.transformer_engine import MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP
     from hybridlm.parallel.plan import ParallelPlan
-    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-                      seq_length=32, vocab_size=512, attention_backend="sdpa")  # cuDNN's is not captured this small
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
+                      ffn_hidden_size=128, seq_length=32, vocab_size=512, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)  # cuDNN's is not captured this small
     phase = MicroBatchPhase()
     te = dict(local_matmul=lambda w, b: TELocalMatmul(w, b, phase),
               local_norm_matmul=lambda n, w, b: TELocalNormMatmul(n, w, b, phase),
@@ -244,7 +245,7 @@ def test_a_layer_compiled_whole_is_compiled_for_the_capture_before_the_warmup_ho
     from hybridlm.parallel.plan import ParallelPlan
     torch._dynamo.reset()
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
-                      vocab_size=64, attention_backend="sdpa")
+                      vocab_size=64, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)
     layers = [TransformerLayer(cfg, ParallelPlan(), layer_number=i) for i in range(2)]
     for layer in layers:
         layer.compile_body(backend="eager")

@@ -7,6 +7,7 @@ import sys
 
 from harness import run_ranks
 from oracle import ROOT, ds_config
+from hybridlm.presets import LLAMA_BLOCK, LLAMA_OPTIMIZER
 
 
 def _losses(flags):
@@ -37,6 +38,7 @@ def test_pretrain_on_preprocessed_blended_data(tmp_path):
     flags = ["--data-path", "0.3", str(tmp_path / "a_text_document"), "0.7", str(tmp_path / "b_text_document"),
              "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path / "tok"),
              "--split", "90,10,0", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             *LLAMA_BLOCK, *LLAMA_OPTIMIZER, "--lr-warmup-iters", "20", "--min-lr", "3e-4",
              "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "30",
              "--log-interval", "5", "--eval-interval", "30", "--eval-iters", "1", "--lr", "3e-3",
              "--tensor-model-parallel-size", "2"] + ds_config("zero1")

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from oracle import TINY, assert_matches, ds_config, train_and_probe
+from hybridlm.presets import LLAMA_BLOCK_SETTINGS
 from test_bad_input import _main_on_rank
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-z-loss-coeff", "1e-3"]
@@ -45,7 +46,7 @@ def _tiny_layer(**overrides):
     from hybridlm.parallel.moe import MoELayer
     from hybridlm.parallel.state import SINGLE
     settings = dict(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_experts=4,
-                    moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+                    moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, **LLAMA_BLOCK_SETTINGS)
     settings.update(overrides)
     layer = MoELayer(ModelConfig(**settings), layer_number=0)
     init_parameters(layer, seed=3, tp=SINGLE)

@@ -16,6 +16,7 @@ from hybridlm.config import FUSED_OPS, ModelConfig
 from hybridlm.model.gpt import TransformerLayer
 from hybridlm.ops import reference_kernels, select_kernels
 from hybridlm.parallel.plan import ParallelPlan
+from hybridlm.presets import LLAMA_BLOCK_SETTINGS
 
 from kernel_checks import DTYPES, TOLERANCE, check_rms_norm, check_rotary, check_swiglu, fresh_generator, relative_error
 
@@ -75,8 +76,8 @@ def test_swiglu_matches_fp32_reference(kernels, gen, dtype, shape, offset):
 def test_transformer_layer_with_kernels_is_as_accurate_as_pytorch(kernels, gen, dtype):
     # The model's own wiring (q and k as views into the QKV output, [gate | up] from fc1), fwd + bwd,
     # against the same layer in fp32: in fp32 within 1e-5; in bf16/fp16 no further off than PyTorch's own path.
-    cfg = ModelConfig(hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=704, seq_length=64,
-                      vocab_size=512, attention_backend="sdpa")
+    cfg = ModelConfig(hidden_size=256, num_attention_heads=4, group_query_attention=True, num_query_groups=2, ffn_hidden_size=704,
+                      seq_length=64, vocab_size=512, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)
     torch.manual_seed(gen.initial_seed())
     master = TransformerLayer(cfg, ParallelPlan(device="cuda", dtype=torch.float32))
     for p in master.parameters():

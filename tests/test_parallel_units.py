@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from oracle import TINY, ds_config
+from hybridlm.presets import LLAMA_BLOCK_SETTINGS
 from hybridlm.parallel.state import layout_groups
 from hybridlm.parallel.tensor_parallel import Sharding
 
@@ -90,7 +91,7 @@ def test_full_recompute_marks_first_layers_of_each_stage():
     from hybridlm.config import ModelConfig
     from hybridlm.model.specs import apply_recompute, build_model
     from hybridlm.parallel.plan import ParallelPlan
-    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=256)
+    cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=256, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
     model = build_model(cfg, ParallelPlan())
     assert apply_recompute(model, 3) == 3
@@ -107,7 +108,7 @@ def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
     from hybridlm.parallel.plan import ParallelPlan
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16)
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
     model = build_model(cfg, ParallelPlan())
     assert compile_layers(model) == 3
@@ -139,7 +140,7 @@ def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_t
             return F.linear(F.silu(gate) * up, fc2_weight)
         return torch.compiler.disable(block)
 
-    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16)
+    cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}

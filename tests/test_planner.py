@@ -9,10 +9,11 @@ import shlex
 import pytest
 
 from harness import run_ranks
+from hybridlm.presets import LLAMA_BLOCK
 
-SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--num-query-groups", "2",
-         "--ffn-hidden-size", "704", "--seq-length", "128", "--vocab-size", "4096", "--micro-batch-size", "4",
-         "--train-iters", "2", "--log-interval", "1", "--lr-warmup-iters", "0"]
+SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--ffn-hidden-size", "704", "--seq-length", "128", "--vocab-size", "4096",
+         "--micro-batch-size", "4", *LLAMA_BLOCK, "--train-iters", "2", "--log-interval", "1", "--lr-warmup-iters", "0"]
 
 
 def _measured_and_planned(flags: list[str]) -> tuple[int, float]:

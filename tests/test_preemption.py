@@ -46,7 +46,8 @@ def test_a_signal_to_one_rank_saves_on_all_and_the_requeued_run_resumes_bit_for_
     from hybridlm.training.preemption import EXIT_CODE
     whole = run_ranks(2, _losses, FLAGS)[0]
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
-    flags = FLAGS + ["--save", str(run_dir), "--load", str(run_dir), "--exit-signal-handler", "--metrics-file", str(metrics)]
+    flags = FLAGS + ["--save", str(run_dir), "--load", str(run_dir), "--exit-signal-handler", "--exit-signal", "SIGUSR1",
+                     "--metrics-file", str(metrics)]
     assert run_ranks(2, _main_signalling, flags, 1, 2) == [EXIT_CODE, EXIT_CODE]
     assert (run_dir / "latest").read_text() == "global_step2"
     assert {f"rng_state_rank{r}.pt" for r in (0, 1)} <= set(os.listdir(run_dir / "global_step2"))

@@ -10,7 +10,7 @@ import dataclasses
 import os
 from typing import Any, Optional, get_type_hints
 
-from ..presets import MODELS
+from ..presets import MODELS, SHAPE_FLAGS
 from .fields import ConfigError
 from .model import ModelConfig
 from .run import SECTIONS, RunConfig
@@ -70,6 +70,8 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
     path = ns.pop("config", None)
     values = load_yaml(path) if path else {}
     values.update(ns)
+    if values.get("model") is None and not any(name in values for name in SHAPE_FLAGS):
+        values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
     if values.get("model") is not None:  # the preset under the run file under the flags
         values = {**_preset_values(values["model"]), **values}
     return config_from_dict(values)

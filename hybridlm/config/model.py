@@ -15,31 +15,32 @@ FUSED_OPS = ("rmsnorm", "rope", "swiglu")
 class ModelConfig:
     """Every hyper-parameter of the network; independent of how it is parallelised."""
 
-    model: Optional[str] = flag(None, f"Named shape from hybridlm/presets.py ({', '.join(MODELS)}); its flags come first, so flags given here (or in --config) win.")
+    model: Optional[str] = flag(None, f"Named shape from hybridlm/presets.py ({', '.join(MODELS)}); its flags come first, so flags given here (or in --config) win (default: tiny, the built-in Llama-style run, when no --num-layers, --hidden-size or --num-attention-heads is given; otherwise flags left out take Megatron-LM's defaults).")
     num_layers: int = flag(4, "Number of transformer layers.")
     hidden_size: int = flag(128, "Width of the residual stream.")
-    ffn_hidden_size: Optional[int] = flag(None, "MLP inner width (default: 4*hidden, or 8/3*hidden rounded up to 64 with SwiGLU).")
+    ffn_hidden_size: Optional[int] = flag(None, "MLP inner width (default: 4*hidden, or 8/3*hidden rounded down to a multiple of 64 with SwiGLU, Megatron's rule).")
     num_attention_heads: int = flag(4, "Query heads.")
-    num_query_groups: Optional[int] = flag(None, "Key/value heads for grouped-query attention (default: one per query head).")
+    group_query_attention: bool = flag(False, "Grouped-query attention: --num-query-groups takes effect only with this flag (Megatron's rule).")
+    num_query_groups: Optional[int] = flag(None, "Key/value heads with --group-query-attention (default, and always without it: one per query head).")
     kv_channels: Optional[int] = flag(None, "Head dimension (default: hidden / heads).")
     seq_length: int = flag(128, "Tokens per sample.")
     max_position_embeddings: Optional[int] = flag(None, "Size of the learned position table (default: seq-length).")
     vocab_size: Optional[int] = flag(None, "Tokenizer vocabulary (default: the built-in tokenizer's).")
     make_vocab_size_divisible_by: int = flag(128, "Pad the vocabulary to a multiple of this times TP (Megatron's rule).")
-    normalization: str = flag("RMSNorm", "Norm layer.", choices=("RMSNorm", "LayerNorm"))
+    normalization: str = flag("LayerNorm", "Norm layer.", choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = flag(1e-5, "Epsilon of the norm layers.")
-    position_embedding_type: str = flag("rope", "Positions: rotary (Llama) or a learned table (GPT-2).", choices=("rope", "learned_absolute"))
+    position_embedding_type: str = flag("learned_absolute", "Positions: a learned table (GPT-2) or rotary (Llama).", choices=("learned_absolute", "rope"))
     rotary_base: float = flag(10000.0, "RoPE base frequency.")
-    swiglu: bool = flag(True, "SwiGLU MLP (Llama); --no-swiglu gives a GeLU MLP (GPT-2).")
-    add_bias_linear: bool = flag(False, "Biases in the linear layers (GPT-2 style).", aliases=("--disable-bias-linear",))
+    swiglu: bool = flag(False, "SwiGLU MLP (Llama); without it a GeLU MLP (GPT-2; the tanh GeLU, as Transformer Engine's).")
+    add_bias_linear: bool = flag(True, "Biases in the linear layers (GPT-2 style); --disable-bias-linear removes them (Llama).", aliases=("--disable-bias-linear",))
     add_qkv_bias: bool = flag(False, "Biases in the query/key/value projection only (Qwen2 style).")
     untie_embeddings_and_output_weights: bool = flag(False, "Separate input embedding and output projection.")
-    hidden_dropout: float = flag(0.0, "Dropout on the residual branches.")
-    attention_dropout: float = flag(0.0, "Dropout on the attention probabilities.")
+    hidden_dropout: float = flag(0.1, "Dropout on the residual branches.")
+    attention_dropout: float = flag(0.1, "Dropout on the attention probabilities.")
     init_method_std: float = flag(0.02, "Std of the normal initialisation (output projections scaled by 1/sqrt(2*layers)).")
     attention_backend: str = flag("auto", "Attention kernel: auto picks flash-attn when importable, else cuDNN SDPA on Hopper, else torch SDPA.",
                                 choices=("auto", "flash", "te", "cudnn", "sdpa"))
-    transformer_impl: str = flag("local", "Linear layers from this project, or from Transformer Engine (needed for FP8).", choices=("local", "transformer_engine"))
+    transformer_impl: Optional[str] = flag(None, "Linear layers from this project, or from Transformer Engine (needed for FP8) (default: transformer_engine with --fp8-format, else local).", choices=("local", "transformer_engine"))
     fp8_format: Optional[str] = flag(None, "FP8 matmuls through Transformer Engine: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (default: off).", choices=("hybrid", "e4m3"))
     fp8_recipe: str = flag("delayed", "FP8 scaling: delayed (amax history) or current (per-tensor, this step's amax).", choices=("delayed", "current"))
     fp8_amax_history_len: int = flag(1024, "Delayed scaling: steps of amax history.")
@@ -53,7 +54,7 @@ class ModelConfig:
     moe_layer_freq: int = flag(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
     moe_ffn_hidden_size: Optional[int] = flag(None, "Inner width of each expert (default: --ffn-hidden-size).")
     moe_router_topk: int = flag(2, "Experts each token is routed to (softmax over the chosen experts' logits, as Mixtral).")
-    moe_aux_loss_coeff: float = flag(1e-2, "Weight of the load-balancing loss (Switch/GShard: E x sum of token fraction x mean probability).")
+    moe_aux_loss_coeff: float = flag(0.0, "Weight of the load-balancing loss (Switch/GShard: E x sum of token fraction x mean probability).")
     moe_z_loss_coeff: float = flag(0.0, "Weight of the router z-loss (mean squared log-sum-exp of the router logits).")
     moe_capacity_factor: Optional[float] = flag(None, "Expert capacity as a multiple of an even share of the assignments; each expert keeps first choices before second ones, earlier tokens first, and drops the rest (default: dropless).")
     moe_shared_expert_intermediate_size: Optional[int] = flag(None, "Width of a shared expert every token also goes through (default: none).")
@@ -61,14 +62,20 @@ class ModelConfig:
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
 
     def __post_init__(self):
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+        if self.num_query_groups is None or not self.group_query_attention:
+            self.num_query_groups = self.num_attention_heads  # Megatron ignores --num-query-groups without GQA
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads {self.num_attention_heads}.")
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64) if self.swiglu else 4 * self.hidden_size
+            # arguments.py: int((4 * h * 2 / 3) / 64) * 64 with SwiGLU (rounded down), else 4 * h
+            self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64 if self.swiglu else 4 * self.hidden_size
+            if self.ffn_hidden_size < 1:
+                raise ConfigError(f"--swiglu with --hidden-size {self.hidden_size} gives an MLP width of 0 by Megatron's rule "
+                                  "(8/3 x hidden rounded down to 64); pass --ffn-hidden-size.")
+        if self.transformer_impl is None:  # Megatron's default is transformer_engine; FP8 needs it
+            self.transformer_impl = "transformer_engine" if self.fp8_format else "local"
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.num_attention_heads % self.num_query_groups:

@@ -85,8 +85,11 @@ class RunConfig:
             raise ConfigError(f"--train-iters must be positive, got {t.train_iters}.")
         if t.lr_decay_iters is None:
             t.lr_decay_iters = t.train_iters
-        if t.lr_decay_style == "wsd" and t.lr_wsd_decay_iters is None:
+        if t.lr_decay_style in ("wsd", "WSD") and t.lr_wsd_decay_iters is None:
             t.lr_wsd_decay_iters = max(1, t.lr_decay_iters // 10)
+        if t.lr_warmup_iters >= t.lr_decay_iters:
+            raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} must be smaller than --lr-decay-iters {t.lr_decay_iters} "
+                              "(default: --train-iters), as Megatron-LM requires.")
         if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
             raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got {t.keep_last_n_checkpoints}.")
         if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):

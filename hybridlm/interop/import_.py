@@ -131,7 +131,7 @@ def model_flags(arch: str, hf, directory: str, seq_length: Optional[int]) -> dic
                     seq_length=seq_length or positions, vocab_size=hf.vocab_size, normalization="LayerNorm",
                     norm_epsilon=hf.layer_norm_epsilon, position_embedding_type="learned_absolute", swiglu=False,
                     add_bias_linear=True, untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
-                    make_vocab_size_divisible_by=1)
+                    make_vocab_size_divisible_by=1, group_query_attention=False, hidden_dropout=0.0, attention_dropout=0.0)
     if hf.hidden_act != "silu":
         raise ConfigError(f"{where} has hidden_act {hf.hidden_act}; only SiLU (SwiGLU) is supported.")
     theta, kind = _rope(hf)
@@ -146,13 +146,15 @@ def model_flags(arch: str, hf, directory: str, seq_length: Optional[int]) -> dic
         raise ConfigError(f"{where} has sliding_window {window}, shorter than --seq-length {seq}; hybridlm has no "
                           f"sliding-window attention, so pass --seq-length {window} or less.")
     heads = hf.num_attention_heads
+    groups = getattr(hf, "num_key_value_heads", None) or heads
+    # every architecture value explicit: what is left out takes Megatron-LM's defaults (GPT-2/3 block)
     flags = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, ffn_hidden_size=hf.intermediate_size,
-                 num_attention_heads=heads, num_query_groups=getattr(hf, "num_key_value_heads", None) or heads,
+                 num_attention_heads=heads, group_query_attention=groups != heads, num_query_groups=groups,
                  kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads, max_position_embeddings=positions,
                  seq_length=seq, vocab_size=hf.vocab_size, normalization="RMSNorm", norm_epsilon=hf.rms_norm_eps,
                  position_embedding_type="rope", rotary_base=theta, swiglu=True,
                  untie_embeddings_and_output_weights=not hf.tie_word_embeddings, make_vocab_size_divisible_by=1,
-                 attention_dropout=getattr(hf, "attention_dropout", 0.0) or 0.0)
+                 add_bias_linear=False, hidden_dropout=0.0, attention_dropout=getattr(hf, "attention_dropout", 0.0) or 0.0)
     if arch == LLAMA:
         attention_bias, mlp_bias = bool(getattr(hf, "attention_bias", False)), bool(getattr(hf, "mlp_bias", False))
         if attention_bias != mlp_bias:

@@ -78,6 +78,8 @@ class CheckpointInfo:
         names = {f.name for f in fields(ModelConfig)}
         settings = {k: v for k, v in self.settings.items() if k in names and k != "padded_vocab_size"}
         settings.update({k: v for k, v in PORTABLE_KERNELS.items() if k in names})
+        if "group_query_attention" not in settings:  # written before --num-query-groups needed --group-query-attention
+            settings["group_query_attention"] = settings.get("num_query_groups") not in (None, settings.get("num_attention_heads"))
         cfg = ModelConfig(**settings)
         if cfg.vocab_size is None:
             raise ConfigError(f"{os.path.join(self.tag_dir, CONFIG_FILE)} has no vocab-size; it was not written by a training run.")

@@ -108,60 +108,83 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, 
 
 
 class WarmupDecayLR:
-    """Linear warm-up to ``lr`` over ``warmup`` steps, then decay to ``min_lr`` at ``decay_iters``:
-    cosine, linear, constant, or WSD (warmup-stable-decay: ``lr`` until the last
-    ``wsd_decay_iters`` steps before ``decay_iters``, then a ``wsd_style`` decay).
+    """Megatron-LM's learning-rate schedule (``OptimizerParamScheduler.get_lr`` in
+    megatron/core/optimizer_param_scheduler.py), counted in samples as Megatron counts it.
 
-    Step ``i`` (0-based) trains with ``lr_at(i)``. DeepSpeed calls ``step()`` after every
-    applied optimizer step (not after a skipped one) and checkpoints ``state_dict()``."""
+    The schedule's clock ``num_steps`` advances by the global batch size after every applied
+    optimizer step (DeepSpeed calls ``step()`` only then), so step ``i`` (0-based) trains with the
+    rate at ``i x increment`` samples. Warm-up rises linearly from ``init_lr`` (``--lr-warmup-init``,
+    default 0: the first step of a warm-up trains at 0) and reaches ``lr`` at ``num_steps ==
+    warmup_steps``; then cosine, linear, inverse-square-root, constant, or WSD (``lr`` until
+    ``wsd_decay_steps`` before ``decay_steps``, then a ``wsd_style`` decay) down to ``min_lr``,
+    which holds after ``decay_steps``. A parameter group's own ``max_lr``/``min_lr`` (the
+    embedding and output layer under ``--decoupled-lr``) follow the same clock."""
 
-    def __init__(self, optimizer, *, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str,
-                 wsd_decay_iters: int | None = None, wsd_style: str = "linear"):
+    def __init__(self, optimizer, *, lr: float, min_lr: float, warmup_steps: float, decay_steps: float, style: str,
+                 init_lr: float = 0.0, wsd_decay_steps: float | None = None, wsd_style: str = "exponential", increment: int = 1):
         self.optimizer = optimizer
-        self.lr, self.min_lr, self.warmup, self.decay_iters, self.style = lr, min_lr, warmup, decay_iters, style
-        self.wsd_decay_iters, self.wsd_style = wsd_decay_iters, wsd_style
-        self.last_step = 0
+        self.lr, self.min_lr, self.init_lr, self.style = lr, min_lr, init_lr, "WSD" if style == "wsd" else style
+        self.warmup_steps, self.decay_steps, self.wsd_decay_steps, self.wsd_style = warmup_steps, decay_steps, wsd_decay_steps, wsd_style
+        self.increment = increment
+        self.num_steps = 0
         self._apply()
 
     @classmethod
     def from_config(cls, optimizer, t) -> "WarmupDecayLR":
-        return cls(optimizer, lr=t.lr, min_lr=t.min_lr, warmup=t.lr_warmup_iters, decay_iters=t.lr_decay_iters,
-                   style=t.lr_decay_style, wsd_decay_iters=t.lr_wsd_decay_iters, wsd_style=t.lr_wsd_decay_style)
+        """training.py ``get_optimizer_param_scheduler``: iteration flags times the global batch size."""
+        g = t.global_batch_size
+        decay = t.lr_decay_iters * g
+        wsd = t.lr_wsd_decay_iters * g if t.lr_wsd_decay_iters is not None else None
+        return cls(optimizer, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters * g, decay_steps=decay,
+                   style=t.lr_decay_style, wsd_decay_steps=wsd, wsd_style=t.lr_wsd_decay_style, increment=g)
+
+    def rate(self, num_steps: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
+        """The rate after ``num_steps`` samples (Megatron's ``get_lr``, line by line)."""
+        max_lr = self.lr if max_lr is None else max_lr
+        min_lr = self.min_lr if min_lr is None else min_lr
+        if self.warmup_steps > 0 and num_steps <= self.warmup_steps:
+            return self.init_lr + (max_lr - self.init_lr) * float(num_steps) / float(self.warmup_steps)
+        if self.style == "constant":
+            return max_lr
+        if num_steps > self.decay_steps:
+            return min_lr
+        if self.style == "inverse-square-root":
+            return max(min_lr, max_lr * max(self.warmup_steps, 1) ** 0.5 / max(num_steps, 1) ** 0.5)
+        decay_ratio = float(num_steps - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
+        if self.style == "linear":
+            coeff = 1.0 - decay_ratio
+        elif self.style == "cosine":
+            coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+        else:  # WSD
+            anneal_start = self.decay_steps - self.wsd_decay_steps
+            if num_steps <= anneal_start:
+                coeff = 1.0
+            else:
+                ratio = float(num_steps - anneal_start) / float(self.wsd_decay_steps)
+                coeff = {"linear": lambda r: 1.0 - r, "cosine": lambda r: 0.5 * (math.cos(math.pi * r) + 1.0),
+                         "exponential": lambda r: 2.0 * math.pow(0.5, r) - 1.0,
+                         "minus_sqrt": lambda r: 1.0 - math.sqrt(r)}[self.wsd_style](ratio)
+        return min_lr + coeff * (max_lr - min_lr)
 
     def lr_at(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        if self.style == "constant":
-            return self.lr
-        if self.style == "wsd":
-            decay_start = self.decay_iters - self.wsd_decay_iters
-            if step < decay_start:
-                return self.lr
-            progress = min((step - decay_start) / self.wsd_decay_iters, 1.0)
-            shape = self.wsd_style
-        else:
-            progress = min(max(step - self.warmup, 0) / max(self.decay_iters - self.warmup, 1), 1.0)
-            shape = self.style
-        if shape == "exponential":
-            return self.lr * (self.min_lr / self.lr) ** progress
-        factor = {"linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
-                  "minus_sqrt": 1.0 - math.sqrt(progress)}[shape]
-        return self.min_lr + (self.lr - self.min_lr) * factor
+        """The rate step ``step`` (0-based) trains with."""
+        return self.rate(step * self.increment)
 
     def _apply(self) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.last_step)
+            group["lr"] = self.rate(self.num_steps, group.get("max_lr"), group.get("min_lr"))
 
     def step(self, *args, **kwargs) -> None:
-        self.last_step += 1
+        self.num_steps += self.increment
         self._apply()
 
     def get_last_lr(self) -> list[float]:
-        return [self.lr_at(self.last_step)]
+        return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"last_step": self.last_step}
+        return {"num_steps": self.num_steps, "last_step": self.num_steps // max(self.increment, 1)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.last_step = state["last_step"]
+        # checkpoints written before the schedule counted samples hold only the step count
+        self.num_steps = state["num_steps"] if "num_steps" in state else state["last_step"] * self.increment
         self._apply()
