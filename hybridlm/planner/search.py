@@ -13,7 +13,7 @@ allocator, plus ``RESERVED_GIB`` for the CUDA context, NCCL and library workspac
 Step time, to rank the layouts that fit (a coarse model: it orders layouts, it does not
 predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/s NIC per GPU):
 
-  compute     model FLOPs per GPU / (peak x ``BASE_MFU``), x 4/3 with full recompute (one more
+  compute     model FLOPs per GPU (Megatron-LM's rule, training.metrics) / (peak x ``BASE_MFU``), x 4/3 with full recompute (one more
               forward), x (1 + attention-core share / 3) with selective
   bubble      x (1 + (PP - 1) / micro-batches) for 1F1B
   TP          4 all-reduces (or reduce-scatter + all-gather) of the layer's activations per
@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional
 
 from ..config import ModelConfig
-from ..training.metrics import flops_per_token
+from ..training.metrics import attention_core_flops_per_token, flops_per_token
 from .memory import GIB, Breakdown, Layout, estimate, stage_parameters
 
 FRAGMENTATION = 0.10
@@ -110,7 +110,7 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
     cfg = replace(cfg, padded_vocab_size=cfg.pad_vocab(lay.tp))
     tokens = lay.micro_batch_size * cfg.seq_length * lay.grad_accum * lay.dp  # per step, whole job
     flops = flops_per_token(cfg) * tokens / lay.world
-    attention_share = 12 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.kv_channels / flops_per_token(cfg)
+    attention_share = attention_core_flops_per_token(cfg) / flops_per_token(cfg)
     factor = {"full": 4 / 3, "selective": 1 + attention_share / 3}.get(lay.recompute, 1.0)
     compute = flops * factor / (PEAK_TFLOPS * 1e12 * BASE_MFU)
     bubble = (lay.pp - 1) / lay.grad_accum if lay.pp > 1 else 0.0

@@ -1,15 +1,21 @@
-"""Throughput accounting: FLOPs per token, MFU, and the per-step log record.
+"""Throughput accounting: FLOPs by Megatron-LM's rule, MFU, and the per-step log record.
 
-FLOPs follow the standard (PaLM / nanoGPT) model-FLOPs count: 6 x (parameters in matmuls,
-the output projection included, the input embedding lookup not) per token for forward
-and backward, plus 12 x layers x seq x (heads x head_dim) per token for the attention
-scores and their weighted sum. Recomputation is not counted (it is MFU, not hardware
-FLOPs utilisation). The plain-PyTorch reference GPT of shared/device/README.md (d2048,
-L16, GeLU 4h MLP, seq 2048, vocab 32768) comes to 6.04 GFLOP per token under this rule,
-which reproduces its published 47.6% MFU at 77.9k tokens/s on a 989 TFLOP/s part; the
-Llama-style reference preset (SwiGLU, ffn 5504) comes to 6.06. An MoE layer counts the
-parameters a token is multiplied by (active parameters): its top-k experts, the router
-and the shared expert, not the experts it skips.
+FLOPs are Megatron-LM's ``num_floating_point_operations`` (megatron/training/training.py,
+``transformer_flops``, for unpacked sequences), so TFLOP/s and MFU here compare with what
+Megatron-LM prints for the same model. Per token, forward and backward (3 GEMMs of 2 FLOPs
+per multiply-add: the factor 12 below is 3 x 2 x 2 for a GEMM pair, 6 for one):
+
+    6 x h x (q + 2 kv + q)              per layer: QKV and output projections (q = heads x head_dim,
+                                         kv = query groups x head_dim: GQA counts its smaller K and V)
+    6 x s x q                            per layer: QK^T and softmax(QK^T)V, causal so half of s x s
+    6 x h x ffn x (3 if SwiGLU else 2)   per dense layer
+    6 x h x (topk x moe_ffn + shared) x (3 if SwiGLU else 2)   per MoE layer: the experts a token visits
+    6 x h x padded vocabulary            the output layer
+
+The router and the input embedding lookup are not counted, nor is recomputation (it is MFU, not
+hardware FLOPs utilisation). Counting attention as if unmasked (12 x s x q per layer, the rule
+used here before) overstates a causal model's FLOPs: by about 7% at seq 2048 for the reference
+model, and far more at long context.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A1
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters of the matmuls one token goes through (active ones in MoE layers)."""
+    """Parameters of the matmuls one token goes through (active ones in MoE layers, the router included)."""
     h, d = cfg.hidden_size, cfg.kv_channels
     attention = h * d * (cfg.num_attention_heads + 2 * cfg.num_query_groups) + cfg.num_attention_heads * d * h
     per_width = h * (3 if cfg.swiglu else 2)
@@ -43,9 +49,38 @@ def matmul_params(cfg: ModelConfig) -> int:
     return total
 
 
+def num_floating_point_operations(cfg: ModelConfig, batch_size: int, seq_length: int | None = None) -> float:
+    """FLOPs of one global batch of ``batch_size`` samples of ``seq_length`` tokens (default: the
+    model's), forward and backward: Megatron-LM's ``num_floating_point_operations(args, batch_size)``
+    for a transformer without MLA, MTP or linear attention. Needs ``cfg.padded_vocab_size``."""
+    s = seq_length or cfg.seq_length
+    fwd_bwd_fma = 3 * 2  # three GEMMs (forward, weight and data gradients) of 2 FLOPs per multiply-add
+    ffn_factor = 3 if cfg.swiglu else 2  # SwiGLU's fc1 is two GEMMs
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    dense_layers = cfg.num_layers - moe_layers
+    routed = cfg.moe_router_topk if cfg.num_experts is not None else 0
+    moe_ffn = cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size
+    shared = cfg.moe_shared_expert_intermediate_size or 0
+    h = cfg.hidden_size
+    query = cfg.kv_channels * cfg.num_attention_heads
+    key = value = cfg.kv_channels * cfg.num_query_groups
+    projections = fwd_bwd_fma * (h * (query + key + value) + query * h) * cfg.num_layers
+    core_attention = fwd_bwd_fma * query / 2 * 2 * cfg.num_layers  # causal mask: half of QK^T and of (QK^T)V
+    mlp = fwd_bwd_fma * h * (cfg.ffn_hidden_size * ffn_factor * dense_layers
+                              + moe_ffn * routed * ffn_factor * moe_layers + shared * ffn_factor * moe_layers)
+    logits = fwd_bwd_fma * h * cfg.padded_vocab_size
+    tokens = batch_size * s
+    return tokens * (mlp + projections + logits) + batch_size * s * s * core_attention
+
+
 def flops_per_token(cfg: ModelConfig) -> float:
-    attention_scores = 12 * cfg.num_layers * cfg.seq_length * cfg.num_attention_heads * cfg.kv_channels
-    return 6.0 * matmul_params(cfg) + attention_scores
+    """Forward + backward FLOPs per trained token at the model's sequence length (Megatron's rule)."""
+    return num_floating_point_operations(cfg, 1) / cfg.seq_length
+
+
+def attention_core_flops_per_token(cfg: ModelConfig) -> float:
+    """The part of ``flops_per_token`` in QK^T and softmax(QK^T)V (what selective recompute repeats)."""
+    return 6 * cfg.seq_length * cfg.kv_channels * cfg.num_attention_heads * cfg.num_layers
 
 
 def peak_tflops(override: float | None) -> float | None:
