@@ -11,6 +11,7 @@ import os
 from typing import Any, Optional, get_type_hints
 
 from ..presets import MODELS, SHAPE_FLAGS
+from . import megatron
 from .fields import ConfigError
 from .model import ModelConfig
 from .run import SECTIONS, RunConfig
@@ -44,14 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             kw["type"] = typ
             if f.metadata["choices"]:
-                kw["choices"] = f.metadata["choices"]
-        names = [flag]
-        if f.name == "deepspeed_config":
-            names = ["--deepspeed_config", "--deepspeed-config"]
-        parser.add_argument(*names, **kw)
-    # Megatron's negative spelling of the bias flag.
-    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=argparse.SUPPRESS,
-                        help="No biases in linear layers (the default).")
+                kw["choices"] = megatron.value_choices(f.name, f.metadata["choices"])
+        parser.add_argument(flag, *f.metadata["aliases"], **kw)
+    megatron.add_to_parser(parser)  # Megatron-LM's other flags: aliases, ignored, refused
     parser.add_argument("--config", default=None, metavar="RUN.yaml",
                         help="YAML file with the same keys as the flags (dashes or underscores); flags win over it.")
     # Megatron-DeepSpeed scripts pass --deepspeed; DeepSpeed is always on here.
@@ -74,7 +70,10 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
         values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
     if values.get("model") is not None:  # the preset under the run file under the flags
         values = {**_preset_values(values["model"]), **values}
-    return config_from_dict(values)
+    notes = megatron.translate(values)
+    cfg = config_from_dict(values)
+    cfg.notes.extend(notes)
+    return cfg
 
 
 def _preset_values(name: str) -> dict:
@@ -164,6 +163,7 @@ def flags_markdown() -> str:
         if _base_type(hint) is bool:
             flag += " / --no-" + f.name.replace("_", "-")
         choices = f" ({' / '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
-        rows.append(f"| `{flag}` | `{f.default}` | {f.metadata['help']}{choices} |")
+        aliases = "".join(f" / `{a}`" for a in f.metadata["aliases"])
+        rows.append(f"| `{flag}`{aliases} | `{f.default}` | {f.metadata['help']}{choices} |")
     return "\n".join(rows)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from . import megatron
 from .fields import ConfigError, refuse_first
 from .model import ModelConfig
 from .sections import DataConfig, ParallelConfig, TrainConfig
@@ -19,6 +20,7 @@ class RunConfig:
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
+    notes: list = field(default_factory=list)  # lines for the run log: what a Megatron flag maps to here
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -104,6 +106,7 @@ class RunConfig:
             raise ConfigError("--exit-signal-handler needs --save: the checkpoint it writes on the signal has to go somewhere.")
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
+        self.notes.extend(line for line in megatron.check(self) if line not in self.notes)
         return self
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:

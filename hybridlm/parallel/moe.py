@@ -206,7 +206,8 @@ class MoELayer(nn.Module):
         self.layer_number, self.tp, self.ep = layer_number, tp, ep
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.num_experts, self.local_experts, self.topk = experts, experts // ep.size, cfg.moe_router_topk
-        self.capacity_factor, self.aux_coeff, self.z_coeff = cfg.moe_capacity_factor, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+        self.capacity_factor, self.z_coeff = cfg.moe_capacity_factor, cfg.moe_z_loss_coeff
+        self.aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
         self.swiglu, self.grouped = cfg.swiglu, cfg.moe_grouped_gemm
         self.router = Router(hidden, experts, tp, self.sequence_parallel, init_std=cfg.init_method_std, device=device, dtype=dtype)
         blocks = (ffn, ffn) if cfg.swiglu else (ffn,)  # SwiGLU: [gate; up] in one matrix, each half split over TP

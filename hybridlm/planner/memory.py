@@ -370,7 +370,7 @@ def ds_settings(ds: dict) -> dict:
         return (zero_json.get(f"offload_{what}") or {}).get("device") not in (None, "none")
 
     return dict(zero=int(zero_json.get("stage", 0) or 0), reduce_bucket=float(zero_json.get("reduce_bucket_size", 5e8)),
-                overlap_comm=zero_json.get("overlap_comm"),
+                overlap_comm=None if zero_json.get("overlap_comm") == "auto" else zero_json.get("overlap_comm"),  # auto: the flag, off by default
                 prefetch_bucket=float(zero_json.get("stage3_prefetch_bucket_size", 5e7)),
                 offload_optimizer=offloaded("optimizer"), offload_params=offloaded("param"))
 

@@ -23,6 +23,7 @@ _LINKED = {
     ("gradient_clipping",): ("--clip-grad", "train", "clip_grad"),
     ("bf16", "enabled"): ("--bf16", "train", "bf16"),
     ("fp16", "enabled"): ("--fp16", "train", "fp16"),
+    ("zero_optimization", "overlap_comm"): ("--overlap-grad-reduce", "parallel", "overlap_grad_reduce"),
 }
 
 
@@ -111,6 +112,10 @@ def finalize_ds_config(ds: dict, cfg: RunConfig) -> dict:
     ds["gradient_clipping"] = t.clip_grad
     _set(ds, ("bf16", "enabled"), t.bf16)
     _set(ds, ("fp16", "enabled"), t.fp16)
+    if p.zero_stage >= 1:
+        _set(ds, ("zero_optimization", "overlap_comm"), p.overlap_grad_reduce)
+    elif _get(ds, ("zero_optimization", "overlap_comm")) == "auto":
+        del ds["zero_optimization"]["overlap_comm"]
     ds.setdefault("steps_per_print", 10**9)  # our own log line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
     # DeepSpeed's throughput timer synchronises the device at every micro-batch's forward and

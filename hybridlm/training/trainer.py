@@ -314,6 +314,8 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
               f"SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
               f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps | "
               f"{check_model_impl(cfg)}", flush=True)
+        for line in cfg.notes:  # what the Megatron-LM flags given map to here
+            print(f"hybridlm: {line}", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
