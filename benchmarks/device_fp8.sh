@@ -54,7 +54,7 @@ if [ "$what" = fa ]; then
 fi
 
 REF=(--model reference --steps 20 --warmup 6)
-FP8=(--bf16 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid --torch-compile)
+FP8=(--bf16 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --torch-compile)
 if [ "$what" = round1 ]; then
   python3 -c "import flash_attn.cute" 2>/dev/null && echo "flash-attn-4 present" || echo "NO flash-attn-4"
   ( bench fp8_cudnn 0 29610 220 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, norms+MLP fused, FP8 weight cache, cuDNN attention" -- \

@@ -32,7 +32,7 @@ lane1() {
 lane2() {
   bench ref_te_bf16 2 29512 240 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE linears bf16" -- "${GBS32[@]}" --transformer-impl transformer_engine
   bench ref_te_fp8 2 29512 240 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 hybrid delayed" -- "${GBS32[@]}" \
-      --transformer-impl transformer_engine --fp8-format hybrid
+      --transformer-impl transformer_engine --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max
 }
 lane3() {
   CUDA_VISIBLE_DEVICES=3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "transformer_engine_linears_track or fp8" \

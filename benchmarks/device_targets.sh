@@ -55,7 +55,7 @@ lane1() {  # batch / ZeRO variants, then the largest model without offload (seq 
 lane2() {  # Transformer Engine with compiled layers: FP8 (both recipes) and bf16
   bench ref_te_fp8_compile 2 29562 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, flash-attn-4" -- \
       --bf16 --global-batch-size 64 --deepspeed_config ds_configs/zero1.json --torch-compile \
-      --transformer-impl transformer_engine --fp8-format hybrid
+      --transformer-impl transformer_engine --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max
   bench ref_te_fp8_current_compile 2 29562 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 e4m3 current, --torch-compile, flash-attn-4" -- \
       --bf16 --global-batch-size 64 --deepspeed_config ds_configs/zero1.json --torch-compile \
       --transformer-impl transformer_engine --fp8-format e4m3 --fp8-recipe current
@@ -120,7 +120,7 @@ if [ "$what" = te_fused_x2 ]; then
   gpu_tests test_gpu_te_tp2 0,1 200 "transformer_engine_linears_under_tp2 and no_sp"
   ( gpu_tests test_gpu_te_local 0 200 "transformer_engine_linears_track and eager" > "$OUT/pair0.txt" 2>&1 ) &
   ( bench ref_te_fp8_fused 1 29590 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 32, TE FP8 hybrid delayed, norms fused (LayerNormLinear)" -- \
-        --bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid \
+        --bf16 --global-batch-size 32 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max \
         > "$OUT/lane1.txt" 2>&1 ) &
   wait
   cat "$OUT"/pair*.txt "$OUT"/lane1.txt
@@ -128,7 +128,7 @@ fi
 
 # TE FP8 with fused norms, compiled and eager, side by side on a 2-GPU host; then the compiled TE test.
 if [ "$what" = te_fused_compile ]; then
-  FP8=(--bf16 --global-batch-size 64 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid)
+  FP8=(--bf16 --global-batch-size 64 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max)
   ( bench ref_te_fp8_fused_compile 0 29600 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, norms fused, --torch-compile" -- \
         "${FP8[@]}" --torch-compile > "$OUT/lane0.txt" 2>&1 ) &
   ( bench ref_te_fp8_fused_gbs64 1 29601 200 "${REF[@]}" --label "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, norms fused" -- \

@@ -119,24 +119,40 @@ REFUSED = (
             "--moe-capacity-factor keeps first choices first, earlier tokens first: use that.", takes_value=True),
     Refused("--use-fused-kernels", "is not a Megatron-LM flag; hybridlm's fused kernels are --fused-ops all."),
     Refused("--use-torch-compile", "is not a Megatron-LM flag; hybridlm's is --torch-compile."),
+)
+
+# tools/preprocess_data.py's flags that scripts/preprocess_data.py has no field for
+PREPROCESS_IGNORED = (
+    Ignored("--log-interval", "the progress line updates by time, not every N documents.", takes_value=True),
+    Ignored("--keep-sequential-samples", "documents are always written in input order."),
+    Ignored("--partitions", "--workers parallelise the encoding, and documents are written in input order, which "
+            "Megatron-LM's partitions keep only with --keep-sequential-samples.", takes_value=True),
+)
+PREPROCESS_REFUSED = (
     Refused("--split-sentences", "prepares BERT sentence pairs; hybridlm trains GPT models on whole documents, so drop it."),
+    Refused("--keep-newlines", "acts only with --split-sentences, which hybridlm does not do; drop it."),
+    Refused("--lang", "names the language for --split-sentences, which hybridlm does not do; drop it.", takes_value=True),
+    Refused("--find-optimal-num-workers", "is not implemented; set --workers."),
+    Refused("--workers-to-check", "belongs to --find-optimal-num-workers, which is not implemented; set --workers.",
+            takes_value=True),
+    Refused("--max-documents", "belongs to --find-optimal-num-workers, which is not implemented; drop it.", takes_value=True),
 )
 
 
-def add_to_parser(parser: argparse.ArgumentParser) -> None:
-    """Every flag of the table, with help that says what it does here."""
-    for alias in ALIASES:
+def add_to_parser(parser: argparse.ArgumentParser, aliases=ALIASES, ignored=IGNORED, refused=REFUSED) -> None:
+    """Every flag of the table (by default pretraining's), with help that says what it does here."""
+    for alias in aliases:
         help = f"{alias.meaning} ({alias.why})." if alias.why else f"{alias.meaning}."
         if alias.const is _VALUE:
             parser.add_argument(alias.flag, dest=alias.field, default=argparse.SUPPRESS, help=help)
         else:
             parser.add_argument(alias.flag, dest=alias.field, action="store_const", const=alias.const,
                                 default=argparse.SUPPRESS, help=help)
-    for entry in IGNORED:
+    for entry in ignored:
         kind = dict(nargs=1) if entry.takes_value else dict(action="store_const", const=[])
         parser.add_argument(entry.flag, dest=_dest(entry.flag), default=argparse.SUPPRESS,
                             help=f"Accepted and ignored: {entry.why}", **kind)
-    for entry in REFUSED:
+    for entry in refused:
         kind = dict(nargs="*") if entry.takes_value else dict(action="store_const", const=[])
         parser.add_argument(entry.flag, dest=_dest(entry.flag), default=argparse.SUPPRESS,
                             help=f"Refused: {entry.flag} {entry.why}", **kind)
@@ -146,28 +162,42 @@ def _dest(flag: str) -> str:
     return "megatron:" + flag
 
 
+_CONDITIONS = {  # flag -> (parsed values, its own value) -> a refusal when it would change something here
+    "--no-position-embedding": lambda values, given: None if values.get("position_embedding_type") == "rope" else (
+        "--no-position-embedding drops the learned position table, which Megatron-LM refuses too; use "
+        "--position-embedding-type rope."),
+    # Megatron's partitions without --keep-sequential-samples deal the input lines out round-robin, so
+    # the documents (and with them the train/valid/test split) come out in another order
+    "--partitions": lambda values, given: None if given[0] == "1" or _dest("--keep-sequential-samples") in values else (
+        f"--partitions {given[0]} without --keep-sequential-samples reorders the documents round-robin in Megatron-LM; "
+        "hybridlm keeps input order, so add --keep-sequential-samples (the same order) or drop --partitions."),
+}
+
+
 def value_choices(field: str, choices) -> Optional[tuple]:
     """A field's choices with Megatron's names for its values added."""
     return None if choices is None else tuple(choices) + tuple(VALUES.get(field, {}))
 
 
-def translate(values: dict) -> list[str]:
+def translate(values: dict, ignored=IGNORED, refused=REFUSED) -> list[str]:
     """Apply the table to parsed flags (in place): refusals raise ConfigError, Megatron's value
     names become ours, ignored flags leave a log line. Returns the log lines."""
     notes = []
-    for entry in REFUSED:
+    for entry in refused:
         if _dest(entry.flag) in values:
             raise ConfigError(f"{entry.flag} {entry.why}")
-    for entry in IGNORED:
-        given = values.pop(_dest(entry.flag), None)
+    for entry in ignored:
+        given = values.get(_dest(entry.flag))
         if given is None:
             continue
         if entry.accepts is not None and given and given[0] not in entry.accepts:
             raise ConfigError(f"{entry.flag} {given[0]}: {entry.refusal}")
-        if entry.flag == "--no-position-embedding" and values.get("position_embedding_type", "learned_absolute") != "rope":
-            raise ConfigError("--no-position-embedding drops the learned position table, which Megatron-LM refuses too; "
-                              "use --position-embedding-type rope.")
+        refusal = _CONDITIONS.get(entry.flag, lambda values, given: None)(values, given)
+        if refusal:
+            raise ConfigError(refusal)
         notes.append(f"{entry.flag}: accepted and ignored: {entry.why}")
+    for entry in ignored:
+        values.pop(_dest(entry.flag), None)
     for name, names in VALUES.items():
         if values.get(name) in names:
             ours = names[values[name]]
@@ -296,4 +326,6 @@ def markdown() -> str:
                  for theirs, ours in names.items()]
     rows += [f"| `{e.flag}` | accepted, ignored: {e.why} |" for e in IGNORED]
     rows += [f"| `{e.flag}` | refused: {e.flag} {e.why} |" for e in REFUSED]
+    rows += [f"| `{e.flag}` (preprocess_data.py) | accepted, ignored: {e.why} |" for e in PREPROCESS_IGNORED]
+    rows += [f"| `{e.flag}` (preprocess_data.py) | refused: {e.flag} {e.why} |" for e in PREPROCESS_REFUSED]
     return "\n".join(rows)

@@ -57,6 +57,10 @@ class RunConfig:
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel needs.")
         if p.recompute_num_layers is not None and p.recompute_granularity != "full":
             raise ConfigError("--recompute-num-layers needs --recompute-granularity full.")
+        if p.recompute_method is not None and p.recompute_granularity != "full":
+            raise ConfigError("--recompute-method needs --recompute-granularity full, as in Megatron-LM.")
+        if p.recompute_method is not None and p.recompute_num_layers is None:
+            raise ConfigError(f"--recompute-method {p.recompute_method} needs --recompute-num-layers, as in Megatron-LM.")
         if p.partition_activations is None:
             p.partition_activations = tp > 1 and p.recompute_granularity == "full" and not p.sequence_parallel
         elif p.partition_activations and p.sequence_parallel:
@@ -83,15 +87,7 @@ class RunConfig:
             t.global_batch_size = per_step
         if t.global_batch_size % per_step:
             raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = {t.micro_batch_size} x {p.data_parallel_size}.")
-        if t.train_iters < 1:
-            raise ConfigError(f"--train-iters must be positive, got {t.train_iters}.")
-        if t.lr_decay_iters is None:
-            t.lr_decay_iters = t.train_iters
-        if t.lr_decay_style in ("wsd", "WSD") and t.lr_wsd_decay_iters is None:
-            t.lr_wsd_decay_iters = max(1, t.lr_decay_iters // 10)
-        if t.lr_warmup_iters >= t.lr_decay_iters:
-            raise ConfigError(f"--lr-warmup-iters {t.lr_warmup_iters} must be smaller than --lr-decay-iters {t.lr_decay_iters} "
-                              "(default: --train-iters), as Megatron-LM requires.")
+        self._check_schedule()
         if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
             raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got {t.keep_last_n_checkpoints}.")
         if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):
@@ -108,6 +104,44 @@ class RunConfig:
             m.padded_vocab_size = m.pad_vocab(tp)
         self.notes.extend(line for line in megatron.check(self) if line not in self.notes)
         return self
+
+    def _check_schedule(self) -> None:
+        """Megatron-LM's rules (arguments.py, training.py get_optimizer_param_scheduler): a run counts
+        iterations or samples, never both; the warm-up ends before the decay does."""
+        t = self.train
+        g = t.global_batch_size
+        if t.train_samples is not None:
+            refuse_first("--train-samples", (
+                ("train_iters" in self.explicit and t.train_iters != t.train_samples // g,
+                 f"--train-iters {t.train_iters} (give one of them, as in Megatron-LM)"),
+                (t.lr_decay_iters is not None, "--lr-decay-iters; use --lr-decay-samples"),
+                (t.lr_warmup_iters != 0, "--lr-warmup-iters; use --lr-warmup-samples"),
+                (t.lr_wsd_decay_iters is not None, "--lr-wsd-decay-iters; use --lr-wsd-decay-samples")))
+            t.train_iters = t.train_samples // g  # training.py update_train_iters, for a constant batch
+        else:
+            for name in ("lr_decay_samples", "lr_wsd_decay_samples", "lr_warmup_samples"):
+                if getattr(t, name):
+                    flag = "--" + name.replace("_", "-")
+                    raise ConfigError(f"{flag} needs --train-samples; with --train-iters use {flag.replace('-samples', '-iters')}.")
+        if t.train_iters < 1:
+            raise ConfigError(f"--train-iters must be positive, got {t.train_iters}"
+                              f"{f' (--train-samples {t.train_samples} / --global-batch-size {g})' if t.train_samples else ''}.")
+        if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
+            raise ConfigError("--lr-warmup-fraction cannot be combined with --lr-warmup-iters or --lr-warmup-samples; give one of them.")
+        wsd = t.lr_decay_style in ("wsd", "WSD")
+        if t.train_samples is None:
+            if t.lr_decay_iters is None:
+                t.lr_decay_iters = t.train_iters
+            if wsd and t.lr_wsd_decay_iters is None:
+                t.lr_wsd_decay_iters = max(1, t.lr_decay_iters // 10)
+        elif wsd and t.lr_wsd_decay_samples is None:
+            t.lr_wsd_decay_samples = max(1, (t.lr_decay_samples or t.train_samples) // 10)
+        warmup, decay, _ = t.schedule_in_samples()
+        if warmup >= decay:
+            raise ConfigError(f"the warm-up ({warmup:g} samples) must end before the decay ({decay:g} samples: "
+                              "--lr-decay-iters or --lr-decay-samples, default the whole run), as Megatron-LM requires.")
+        if t.decoupled_min_lr is not None and t.decoupled_lr is None:
+            raise ConfigError("--decoupled-min-lr needs --decoupled-lr.")
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""

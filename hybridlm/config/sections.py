@@ -93,6 +93,22 @@ class TrainConfig:
     empty_unused_memory_level: int = flag(0, "Release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after every step and every evaluation batch, 2 also after every micro-batch's backward (PP = 1).")
     grad_reduce_in_bf16: bool = flag(False, "Megatron reduces bf16 gradients in bf16 with it, in fp32 without; DeepSpeed's bf16 runs here reduce in bf16 either way (set data_types.grad_accum_dtype fp32 in the JSON for fp32).")
 
+    def schedule_in_samples(self) -> tuple[float, float, Optional[float]]:
+        """(warm-up, decay, WSD decay) lengths in samples, as Megatron's scheduler counts
+        (training.py get_optimizer_param_scheduler); after ``RunConfig.validate``."""
+        g = self.global_batch_size
+        if self.train_samples is not None:
+            decay = self.lr_decay_samples or self.train_samples
+            warmup = self.lr_warmup_samples
+            wsd = self.lr_wsd_decay_samples
+        else:
+            decay = self.lr_decay_iters * g
+            warmup = self.lr_warmup_iters * g
+            wsd = self.lr_wsd_decay_iters * g if self.lr_wsd_decay_iters is not None else None
+        if self.lr_warmup_fraction is not None:
+            warmup = self.lr_warmup_fraction * decay
+        return warmup, decay, wsd
+
 
 @dataclass
 class DataConfig:

@@ -42,8 +42,11 @@ INDEX_ALGORITHM_VERSION = 1  # bump when the arrays below would come out differe
 # ---------------------------------------------------------------- flags
 
 def parse_split(split: str) -> list[float]:
-    """'969,30,1' (or '969/30/1', '98,2') -> three fractions that sum to 1."""
-    parts = [p for p in re.split(r"[,/\s]+", str(split).strip()) if p]
+    """'969,30,1' (or '969/30/1', '98,2') -> three fractions that sum to 1. Anything around the
+    numbers is ignored, as Megatron-LM's ``re.findall(r"[.0-9]+", split)`` ignores it: a launch
+    script's literal quotes (``--split '99,1,0'`` inside a bash array) read as 99,1,0."""
+    text = str(split).strip().strip("'\"")
+    parts = [p for p in re.split(r"[,/\s]+", text) if p]
     try:
         values = [float(p) for p in parts]
     except ValueError:
@@ -216,10 +219,8 @@ class GPTDataset(SampleBatches):
                               f"token(s), fewer than one sample of --seq-length {seq_length} + 1; use more data or change --split.")
         if num_samples is not None and num_samples < 0:
             raise ConfigError(f"cannot draw {num_samples} samples.")
-        stat = os.stat(indexed.prefix + ".idx")
-        description = {"class": "GPTDataset", "prefix": os.path.abspath(indexed.prefix), "idx_bytes": stat.st_size,
-                       "idx_mtime_ns": stat.st_mtime_ns, "split": split, "documents": [begin, end], "seq_length": seq_length,
-                       "num_samples": num_samples, "seed": seed, "algorithm": INDEX_ALGORITHM_VERSION}
+        description = {"class": "GPTDataset", **indexed.fingerprint(), "split": split, "documents": [begin, end],
+                       "seq_length": seq_length, "num_samples": num_samples, "seed": seed, "algorithm": INDEX_ALGORITHM_VERSION}
         self.document_index, self.sample_index, self.shuffle_index = cached_arrays(
             cache_dir, description, ("document_index", "sample_index", "shuffle_index"),
             lambda: build_indices(indexed.sequence_lengths, np.arange(begin, end), seq_length, num_samples, seed))
@@ -244,21 +245,26 @@ def default_cache_dir(prefix: str) -> str:
 
 
 def build_gpt_datasets(data_path: Sequence[str], split: str, seq_length: int, seed: int,
-                       num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None) -> tuple:
-    """(train, valid, test) datasets over ``--data-path`` (one prefix, or weighted prefixes blended).
+                       num_samples: Sequence[Optional[int]], cache_dir: Optional[str] = None, documents=None) -> tuple:
+    """(train, valid, test) datasets over ``--data-path`` (one prefix, or weighted prefixes blended),
+    or over ``documents`` (an in-memory stand-in for one prefix: ``mock.MockDocuments``).
 
     ``num_samples[i]`` is how many samples split i must provide (for training:
     train_iters x global_batch_size); 0 or a zero split fraction gives None, and None gives one
-    epoch. Index caches go to ``cache_dir`` (default: ``index-cache/`` beside each prefix). Call on
-    every rank: the first build is collective when torch.distributed is initialised.
+    epoch. Index caches go to ``cache_dir`` (default: ``index-cache/`` beside each prefix; none for
+    ``documents`` without one). Call on every rank: the first build is collective when
+    torch.distributed is initialised.
     """
-    prefixes, weights = parse_data_path(data_path)
     fractions = parse_split(split)
     if len(num_samples) != 3:
         raise ConfigError(f"num_samples must give train, valid and test counts, got {num_samples}.")
-    indexed = [IndexedDataset(p) for p in prefixes]
+    if documents is not None:
+        prefixes, weights, indexed, caches = [documents.prefix], None, [documents], [cache_dir]
+    else:
+        prefixes, weights = parse_data_path(data_path)
+        indexed = [IndexedDataset(p) for p in prefixes]
+        caches = [cache_dir or default_cache_dir(p) for p in prefixes]
     ranges = [split_ranges(fractions, len(d)) for d in indexed]
-    caches = [cache_dir or default_cache_dir(p) for p in prefixes]
     result = []
     for s, name in enumerate(SPLITS):
         n = num_samples[s]

@@ -203,6 +203,11 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
+    def fingerprint(self) -> dict:
+        """What identifies these files in an index cache key (a rewritten file gets new indices)."""
+        stat = os.stat(idx_path(self.prefix))
+        return {"prefix": os.path.abspath(self.prefix), "idx_bytes": stat.st_size, "idx_mtime_ns": stat.st_mtime_ns}
+
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1

@@ -1,12 +1,17 @@
 """Tokenizers behind one small interface: vocab_size, eod, pad, encode, encode_batch, decode.
 
-Three kinds, named as Megatron-LM names them so its recipes carry over:
+Named as Megatron-LM names them so its recipes carry over:
 
 * ``ByteTokenizer`` (the default): UTF-8 bytes plus one end-of-document id; needs no file.
 * ``HuggingFaceTokenizer``: a ``tokenizer.json`` file, or a local Hugging Face tokenizer
   directory holding one. Loaded with the Rust ``tokenizers`` library only, offline, so the
   batch encoder runs on all cores without the Python ``transformers`` layer in between.
 * ``GPT2BPETokenizer``: GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``.
+* ``Llama2Tokenizer``: a SentencePiece ``.model`` file, encoded as Megatron-LM's
+  SentencePiece tokenizer does (megatron/core/tokenizers/text/libraries/sentencepiece_tokenizer.py):
+  SentencePiece's own ids, no BOS, the model's ``</s>`` as end of document.
+* ``NullTokenizer``: no text at all, for ``--mock-data``: ids 0..--vocab-size-1, the last one
+  ending a document (megatron/core/tokenizers/text/libraries/null_tokenizer.py).
 
 Every failure to load says which flag and which path in one sentence (``ConfigError``),
 because a tokenizer problem found at step 0 of a 1000-GPU job should read like a typo,
@@ -22,7 +27,10 @@ from typing import Optional, Protocol, Sequence
 from ..config import ConfigError
 from . import builtin
 
-TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "Llama2Tokenizer", "NullTokenizer")
+# which tokenizer types read which file flags (the others would silently ignore them)
+_READS = {"--vocab-file": ("GPT2BPETokenizer",), "--merge-file": ("GPT2BPETokenizer",),
+          "--tokenizer-model": ("HuggingFaceTokenizer", "Llama2Tokenizer")}
 
 # Names an end-of-document token goes by, most common first (GPT-2/NeoX, Llama 3, Llama 2/Mistral, Gemma).
 _EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
@@ -145,6 +153,55 @@ def load_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> HFTok
     return HFTokenizer(tok, eod=eod, pad=eod, add_special_tokens=False)
 
 
+class SentencePieceTokenizer:
+    """Megatron-LM's ``Llama2Tokenizer``: ``SentencePieceProcessor.encode_as_ids`` on the text as
+    it is (no BOS; ``--append-eod`` adds the model's end-of-sentence id, Megatron's ``eod``)."""
+
+    def __init__(self, path: str):
+        import sentencepiece
+        if not os.path.isfile(path):
+            raise ConfigError(f"--tokenizer-model {path}: no such file (Llama2Tokenizer reads a SentencePiece .model file).")
+        self.sp = sentencepiece.SentencePieceProcessor()
+        try:
+            self.sp.Load(path)
+        except (OSError, RuntimeError) as e:
+            raise ConfigError(f"--tokenizer-model {path}: not a SentencePiece model ({str(e).splitlines()[0][:200]}).") from None
+        self.vocab_size = self.sp.get_piece_size()
+        self.eod = self.sp.eos_id()
+        if self.eod < 0:
+            raise ConfigError(f"--tokenizer-model {path}: the SentencePiece model has no end-of-sentence piece, which "
+                              "Llama2Tokenizer uses to end documents.")
+        self.pad = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eod
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode_as_ids(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), out_type=int)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.sp.decode_ids(list(ids))
+
+
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: text is space-separated ids; the last id ends a document."""
+
+    def __init__(self, vocab_size: Optional[int]):
+        if vocab_size is None:
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size.")
+        self.vocab_size = int(vocab_size)
+        self.eod = self.pad = self.vocab_size - 1
+
+    def encode(self, text: str) -> list[int]:
+        return [int(x) for x in text.split()]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """The flags that name a tokenizer: hashable and picklable, so worker processes and
@@ -153,14 +210,27 @@ class TokenizerSpec:
     tokenizer_model: Optional[str] = None
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
+    vocab_size: Optional[int] = None
 
     def build(self) -> Tokenizer:
-        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file)
+        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file, self.vocab_size)
 
 
 def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Optional[str] = None,
-                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None) -> Tokenizer:
-    """The tokenizer the flags name; ``ConfigError`` (one sentence naming the flag) otherwise."""
+                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                    vocab_size: Optional[int] = None) -> Tokenizer:
+    """The tokenizer the flags name; ``ConfigError`` (one sentence naming the flag) otherwise,
+    also for a file flag this tokenizer type would not read."""
+    for flag, value in (("--vocab-file", vocab_file), ("--merge-file", merge_file), ("--tokenizer-model", tokenizer_model)):
+        if value is not None and tokenizer_type not in _READS[flag]:
+            raise ConfigError(f"{flag} is read only by --tokenizer-type {' or '.join(_READS[flag])}, and this run's is "
+                              f"{tokenizer_type}; name the tokenizer type or drop {flag}.")
+    if tokenizer_type == "Llama2Tokenizer":
+        if tokenizer_model is None:
+            raise ConfigError("--tokenizer-type Llama2Tokenizer needs --tokenizer-model (a SentencePiece .model file).")
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "HuggingFaceTokenizer":

@@ -109,8 +109,15 @@ def parameter_rules(arch: str, cfg: ModelConfig, names: list[str]) -> dict[str, 
         rule = (_gpt2_rule if arch == GPT2 else _llama_rule)(name, cfg)
         if rule is None:
             raise ConfigError(f"parameter {name} has no place in a Hugging Face {HF_CLASSES[arch]}.")
+        if cfg.apply_layernorm_1p and name.endswith("norm.weight"):
+            rule = _gain_from_zero_centered(rule)
         rules[name] = rule
     return rules
+
+
+def _gain_from_zero_centered(rule: Rule) -> Rule:
+    """--apply-layernorm-1p keeps a norm's gain minus 1; Hugging Face keeps the gain."""
+    return Rule(rule.theirs, lambda t: rule.split(t + 1), lambda ts, shape: rule.join(ts, shape) - 1)
 
 
 def _split_layer(name: str, cfg: ModelConfig) -> tuple[Optional[int], str]:

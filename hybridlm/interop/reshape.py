@@ -29,7 +29,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def needs_reshape(tag_dir: str, cfg: RunConfig) -> bool:
     """Whether ``--load`` must go through this module rather than DeepSpeed's own loader."""
-    if cfg.train.finetune:
+    if cfg.train.finetune or not cfg.train.load_optim:
         return True
     if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
         return False  # saved before layouts were recorded: DeepSpeed's loader, as before
@@ -116,13 +116,14 @@ def optimizer_kind(optimizer) -> str:
 
 
 @torch.no_grad()
-def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
+def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool = False) -> dict:
     """Load ``tag_dir`` (any saved layout) into ``engine`` (this run's layout). Returns the client
-    state the trainer resumes from (iteration 0 with ``--finetune`` or a weights-only checkpoint)."""
+    state the trainer resumes from (iteration 0 with ``--finetune`` or a weights-only checkpoint).
+    ``rng_restored`` says (for the log) that the caller restores the random streams."""
     reader = CheckpointReader(tag_dir, "--load")
     source = _Source(reader, cfg, ps, tag_dir)
     info: CheckpointInfo = reader.info
-    weights_only = cfg.train.finetune or not info.optimizer_state
+    weights_only = cfg.train.finetune or not info.optimizer_state or not cfg.train.load_optim
     optimizer, kind = engine.optimizer, optimizer_kind(engine.optimizer)
     if kind not in ("torch", "zero12", "bf16", "zero3"):
         raise ConfigError(f"--load {tag_dir}: reshaping into DeepSpeed's {kind} optimizer is not supported; "
@@ -130,7 +131,8 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
     if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "offload_param_nvme", False):
         raise ConfigError(f"--load {tag_dir}: reshaping into a run with NVMe offload is not supported; continue at the "
                           f"saved layout ({info.layout.describe()}) or reshape without NVMe offload first.")
-    reset_reason = "--finetune" if cfg.train.finetune else "the checkpoint holds weights only" if weights_only else None
+    reset_reason = ("--finetune" if cfg.train.finetune else "the checkpoint holds weights only" if not info.optimizer_state
+                    else "--no-load-optim" if weights_only else None)
     step = None
     if reset_reason is None:
         try:
@@ -139,14 +141,17 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
             reset_reason = str(e)
     states = _gather(engine.module, source, carry=step is not None)
     {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
-    client = {} if weights_only else reader.client_state()
-    if not weights_only:
+    # --no-load-optim (Megatron's checkpointing.py): the weights and the iteration, but neither the
+    # optimizer nor the LR schedule, which starts again from its first step
+    client = {} if cfg.train.finetune or not info.optimizer_state else reader.client_state()
+    if client:
         engine.global_steps = client.get("global_steps", client.get("iteration", 0))
         engine.global_samples = client.get("global_samples", engine.global_steps * engine.train_batch_size())
         engine.skipped_steps = client.get("skipped_steps", 0)
-        if engine.lr_scheduler is not None and client.get("lr_scheduler") is not None:
+        if not weights_only and engine.lr_scheduler is not None and client.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(client["lr_scheduler"])
-    _log(tag_dir, info, Layout.of_run(cfg), step, reset_reason, client, cfg.train.global_batch_size)
+    _log(tag_dir, info, Layout.of_run(cfg), step, reset_reason, client, cfg.train.global_batch_size,
+         schedule_kept=not weights_only, rng_restored=rng_restored)
     return {"iteration": client.get("iteration", 0), "consumed_samples": client.get("consumed_samples", 0),
             "wandb_run_id": client.get("wandb_run_id")}
 
@@ -241,20 +246,24 @@ def _into_zero3(optimizer, states: dict, step) -> None:
     optimizer.checkpoint_event_epilogue()
 
 
-def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, client, global_batch: int) -> None:
+def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, client, global_batch: int,
+         schedule_kept: bool = True, rng_restored: bool = False) -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     tag = os.path.basename(os.path.normpath(tag_dir))
-    carried = ["model weights"]
-    reset = ["random streams (dropout masks restart)"]
+    carried = ["model weights"] + (["random streams"] if rng_restored else [])
+    reset = [] if rng_restored else ["random streams (dropout masks restart)"]
     if step is not None:
         carried.append(f"optimizer state (fp32 master weights, Adam moments, step {step})")
     else:
         reset.insert(0, f"optimizer state ({reset_reason})")
-    if client:
+    if client and schedule_kept:
         carried.append(f"LR schedule and iteration {client.get('iteration', 0)}")
+    elif client:
+        carried.append(f"iteration {client.get('iteration', 0)}")
+        reset.insert(min(1, len(reset)), "LR schedule (starts again from its first step)")
     else:
-        reset.insert(1, "LR schedule and iteration (start at 0)")
+        reset.insert(min(1, len(reset)), "LR schedule and iteration (start at 0)")
     note = ""
     consumed, iteration = client.get("consumed_samples"), client.get("iteration", 0)
     if consumed is not None and consumed != iteration * global_batch:

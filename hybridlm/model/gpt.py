@@ -29,23 +29,34 @@ from .weights import mark_vocabulary_rows
 
 class RMSNorm(nn.Module):
     """Normalise in fp32, scale in the input dtype (the Llama / Hugging Face definition);
-    ``kernel`` computes it (hybridlm.ops: a fused kernel, or the PyTorch definition)."""
+    ``kernel`` computes it (hybridlm.ops: a fused kernel, or the PyTorch definition). With
+    ``zero_centered`` the gain is 1 + weight (Megatron-LM's --apply-layernorm-1p)."""
 
-    def __init__(self, dim: int, eps: float, device=None, dtype=None, kernel=reference_ops.rms_norm):
+    def __init__(self, dim: int, eps: float, device=None, dtype=None, kernel=reference_ops.rms_norm, zero_centered=False):
         super().__init__()
-        self.eps, self.kernel = eps, kernel
+        self.eps, self.kernel, self.zero_centered = eps, kernel, zero_centered
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x):
-        return self.kernel(x, self.weight, self.eps)
+        return self.kernel(x, self.weight + 1 if self.zero_centered else self.weight, self.eps)
+
+
+class LayerNorm1p(nn.LayerNorm):
+    """LayerNorm whose gain is 1 + weight (Megatron-LM's --apply-layernorm-1p: the weight starts at 0)."""
+    zero_centered = True
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
 def make_norm(cfg: ModelConfig, plan: ParallelPlan) -> nn.Module:
+    one_p = cfg.apply_layernorm_1p
     if cfg.normalization == "LayerNorm":
-        module = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
+        module = (LayerNorm1p if one_p else nn.LayerNorm)(cfg.hidden_size, eps=cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
     else:
-        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=plan.device, dtype=plan.dtype, kernel=plan.kernels.rms_norm)
-    return plan.norm(module)
+        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=plan.device, dtype=plan.dtype, kernel=plan.kernels.rms_norm,
+                         zero_centered=one_p)
+    return plan.norm(module, weight=0.0 if one_p else 1.0)
 
 
 class Embedding(nn.Module):
@@ -178,6 +189,8 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(cfg, plan, input_norm=self.post_attention_norm)
         self.dropout = cfg.hidden_dropout
         self.recompute = False
+        self.recompute_unit: list = []  # --recompute-method uniform: the layers after this one in its unit
+        self.computed_by_unit = False  # ... and on those: the unit's first layer runs them in training
         self.graph = None
 
     def attention_input(self, x):
@@ -223,12 +236,19 @@ class TransformerLayer(nn.Module):
             self.post_attention_norm.compile(backend=backend)
             self.mlp.compile(backend=backend)
 
+    def _unit_forward(self, x):
+        for layer in (self, *self.recompute_unit):
+            x = layer._forward(x)
+        return x
+
     def forward(self, x):
         if self.graph is not None and self.training:
             return self.graph(x)  # FP8 autocast: the model's, around all layers
+        if self.computed_by_unit and self.training:
+            return x  # the first layer of its recompute unit ran this one
         with self.plan.layer_context():
             if self.recompute and self.training:
-                return self.plan.checkpoint(self._forward, x)
+                return self.plan.checkpoint(self._unit_forward, x)
             return self._forward(x)
 
 

@@ -90,13 +90,23 @@ def transformer_layers(model: nn.Module) -> list:
     return [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
 
 
-def apply_recompute(model: nn.Module, num_layers: int | None) -> int:
-    """Full recompute for the first ``num_layers`` transformer layers of this stage (all if None)."""
+def apply_recompute(model: nn.Module, num_layers: int | None, method: str | None = None) -> int:
+    """Full recompute of this stage's transformer layers, as Megatron-LM's ``--recompute-method``:
+    ``block`` (or none given) recomputes the first ``num_layers`` layers (all if None), each one
+    checkpoint; ``uniform`` checkpoints every group of ``num_layers`` consecutive layers as one
+    unit (its input is all that is kept). Returns the number of checkpointed units."""
     blocks = transformer_layers(model)
-    chosen = blocks if num_layers is None else blocks[:num_layers]
-    for block in chosen:
-        block.recompute = True
-    return len(chosen)
+    if method != "uniform" or not num_layers or num_layers == 1:
+        chosen = blocks if num_layers is None else blocks[:num_layers]
+        for block in chosen:
+            block.recompute = True
+        return len(chosen)
+    units = [blocks[i:i + num_layers] for i in range(0, len(blocks), num_layers)]
+    for unit in units:
+        unit[0].recompute, unit[0].recompute_unit = True, unit[1:]
+        for follower in unit[1:]:
+            follower.computed_by_unit = True
+    return len(units)
 
 
 def compile_layers(model: nn.Module, backend="inductor") -> int:

@@ -71,7 +71,8 @@ class TELocalNormMatmul(_TEModuleCall):
         import transformer_engine.pytorch as te
         out_features, in_features = weight.shape
         fused = te.LayerNormLinear(in_features, out_features, eps=float(norm.eps), bias=bias is not None,
-                                   normalization=_normalization(norm), params_dtype=weight.dtype, device=weight.device)
+                                   normalization=_normalization(norm), zero_centered_gamma=_zero_centered(norm),
+                                   params_dtype=weight.dtype, device=weight.device)
         _adopt(fused, **_norm_params(norm), weight=weight, bias=bias)
         self.module, self.phase = fused, phase or MicroBatchPhase()
 
@@ -92,8 +93,8 @@ class TELocalNormMLP(_TEModuleCall):
         import transformer_engine.pytorch as te
         hidden, ffn = fc2_weight.shape
         fused = te.LayerNormMLP(hidden, ffn, eps=float(norm.eps), bias=False, normalization=_normalization(norm),
-                                activation=self.ACTIVATIONS[activation], params_dtype=fc1_weight.dtype,
-                                device=fc1_weight.device)
+                                zero_centered_gamma=_zero_centered(norm), activation=self.ACTIVATIONS[activation],
+                                params_dtype=fc1_weight.dtype, device=fc1_weight.device)
         _adopt(fused, **_norm_params(norm), fc1_weight=fc1_weight, fc2_weight=fc2_weight)
         self.module, self.phase = fused, phase or MicroBatchPhase()
 
@@ -147,6 +148,11 @@ def _normalization(norm: nn.Module) -> str:
     return "LayerNorm" if isinstance(norm, nn.LayerNorm) else "RMSNorm"
 
 
+def _zero_centered(norm: nn.Module) -> bool:
+    """--apply-layernorm-1p: TE's zero_centered_gamma computes the same 1 + weight gain."""
+    return bool(getattr(norm, "zero_centered", False))
+
+
 def _norm_params(norm: nn.Module) -> dict:
     params = {"layer_norm_weight": norm.weight}
     if isinstance(norm, nn.LayerNorm):
@@ -171,7 +177,8 @@ def fp8_recipe(cfg: ModelConfig):
     fmt = recipe.Format.HYBRID if cfg.fp8_format == "hybrid" else recipe.Format.E4M3
     if cfg.fp8_recipe == "current":
         return recipe.Float8CurrentScaling(fp8_format=fmt)
-    return recipe.DelayedScaling(fp8_format=fmt, amax_history_len=cfg.fp8_amax_history_len, amax_compute_algo="max")
+    return recipe.DelayedScaling(fp8_format=fmt, amax_history_len=cfg.fp8_amax_history_len,
+                                 amax_compute_algo=cfg.fp8_amax_compute_algo)
 
 
 def fp8_context(recipe_object):

@@ -108,10 +108,10 @@ class ParallelPlan:
             sum_grad_over_tp(param, self.tp)
         return param
 
-    def norm(self, module: nn.Module) -> nn.Module:
-        """Register a norm layer (weight initialised to 1, bias to 0); it runs in the sequence region."""
+    def norm(self, module: nn.Module, weight: float = 1.0) -> nn.Module:
+        """Register a norm layer (weight initialised to ``weight``, bias to 0); it runs in the sequence region."""
         for name, param in module.named_parameters():
-            self.replicated(param, init_value=1.0 if name == "weight" else 0.0, in_sequence_region=True)
+            self.replicated(param, init_value=weight if name == "weight" else 0.0, in_sequence_region=True)
         return module
 
     # ---- activations crossing region boundaries

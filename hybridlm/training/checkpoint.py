@@ -28,7 +28,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 from ..config import ConfigError
 from ..interop.experts import load_expert_weights, save_expert_weights
-from ..interop.layout import Layout, atomic_write_text, write_info
+from ..interop.layout import Layout, atomic_write_text, read_info, write_info
 from ..interop.reshape import check_loadable, load_resharded, needs_reshape
 
 LATEST = "latest"
@@ -131,15 +131,24 @@ def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | 
         return None
     if not os.path.isdir(os.path.join(directory, tag)):
         raise ConfigError(f"--load {directory}: checkpoint {tag} does not exist.")
+    rng_path = _rng_file(directory, tag, dist.get_rank())
     if cfg is not None and needs_reshape(os.path.join(directory, tag), cfg):
-        return load_resharded(engine, ps, cfg, os.path.join(directory, tag))
+        # the random streams of the same layout carry over (--no-load-optim), of another one not
+        same_layout = read_info(os.path.join(directory, tag), "--load").layout == Layout.of_run(cfg)
+        keep_rng = same_layout and cfg.train.load_rng and not cfg.train.finetune and os.path.isfile(rng_path)
+        client_state = load_resharded(engine, ps, cfg, os.path.join(directory, tag), rng_restored=keep_rng)
+        if keep_rng:
+            set_rng_state(torch.load(rng_path, weights_only=False))
+        return client_state
     path, client_state = engine.load_checkpoint(directory, tag=tag)
     if path is None:
         raise ConfigError(f"--load {directory}: DeepSpeed could not read checkpoint {tag}.")
     if cfg is not None:
         load_expert_weights(engine.module, os.path.join(directory, tag), Layout.of_run(cfg), ps)
-    rng_path = _rng_file(directory, tag, dist.get_rank())
-    if os.path.isfile(rng_path):
+    if cfg is not None and not cfg.train.load_rng:  # --no-load-rng: the streams stay as --seed set them
+        if dist.get_rank() == 0:
+            print(f"--load {directory}: --no-load-rng: random streams seeded from --seed, not restored.", flush=True)
+    elif os.path.isfile(rng_path):
         set_rng_state(torch.load(rng_path, weights_only=False))  # our own file: numpy/python RNG tuples
     elif dist.get_rank() == 0:
         print(f"--load {directory}: no random state saved for this layout in {tag}; dropout streams restart.", flush=True)

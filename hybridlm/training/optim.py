@@ -17,15 +17,27 @@ from torch import nn
 from ..config import TrainConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Norm weights and biases (1-D tensors) get no weight decay. Named, as DeepSpeed's MoE
-    helper needs to split expert parameters into groups of their own."""
-    decay, no_decay = [], []
+def param_groups(model: nn.Module, weight_decay: float, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None) -> list[dict]:
+    """Norm weights and biases (1-D tensors) get no weight decay. With ``decoupled_lr`` the input
+    embedding and the output layer (the parameters holding vocabulary rows) get a group of
+    their own whose ``max_lr``/``min_lr`` the schedule follows (Megatron-LM's
+    ``is_embedding_or_output_parameter`` override, megatron/core/optimizer/__init__.py).
+    Named, as DeepSpeed's MoE helper needs to split expert parameters into groups of their own."""
+    decay, no_decay, decoupled = [], [], []
     for param in model.parameters():
-        if param.requires_grad:
+        if not param.requires_grad:
+            continue
+        if decoupled_lr is not None and hasattr(param, "vocab_rows"):
+            decoupled.append(param)
+        else:
             (no_decay if param.ndim < 2 else decay).append(param)
-    return [{"name": "decay", "params": decay, "weight_decay": weight_decay},
-            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+    if decoupled:
+        override = {"max_lr": decoupled_lr, **({"min_lr": decoupled_min_lr} if decoupled_min_lr is not None else {})}
+        groups.append({"name": "decoupled_lr", "params": decoupled, "weight_decay": weight_decay, **override})
+    return groups
 
 
 def global_grad_norm(model: nn.Module, ps) -> torch.Tensor:
@@ -91,7 +103,7 @@ class ClippingAdamW(torch.optim.AdamW):
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, offloading: bool, on_gpu: bool):
     """Returns (optimizer, whether it clips by itself so DeepSpeed must not)."""
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, cfg.weight_decay, cfg.decoupled_lr, cfg.decoupled_min_lr)
     if any(is_moe_param(p) for p in model.parameters()):
         groups = split_params_into_different_moe_groups_for_optimizer(groups)  # ZeRO shards these over expert-DP
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
@@ -131,12 +143,10 @@ class WarmupDecayLR:
 
     @classmethod
     def from_config(cls, optimizer, t) -> "WarmupDecayLR":
-        """training.py ``get_optimizer_param_scheduler``: iteration flags times the global batch size."""
-        g = t.global_batch_size
-        decay = t.lr_decay_iters * g
-        wsd = t.lr_wsd_decay_iters * g if t.lr_wsd_decay_iters is not None else None
-        return cls(optimizer, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters * g, decay_steps=decay,
-                   style=t.lr_decay_style, wsd_decay_steps=wsd, wsd_style=t.lr_wsd_decay_style, increment=g)
+        """training.py ``get_optimizer_param_scheduler``: the lengths in samples (``TrainConfig.schedule_in_samples``)."""
+        warmup, decay, wsd = t.schedule_in_samples()
+        return cls(optimizer, lr=t.lr, min_lr=t.min_lr, init_lr=t.lr_warmup_init, warmup_steps=warmup, decay_steps=decay,
+                   style=t.lr_decay_style, wsd_decay_steps=wsd, wsd_style=t.lr_wsd_decay_style, increment=t.global_batch_size)
 
     def rate(self, num_steps: float, max_lr: float | None = None, min_lr: float | None = None) -> float:
         """The rate after ``num_steps`` samples (Megatron's ``get_lr``, line by line)."""

@@ -26,6 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
 from ..data.builtin import builtin_prefix
 from ..data.gpt_dataset import build_gpt_datasets
+from ..data.mock import MockDocuments
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import resolve_backend
@@ -48,7 +49,7 @@ from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .moe_metrics import collect_moe_stats
 from .optim import WarmupDecayLR, build_optimizer
-from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, ExitSignal, Preempted
+from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
@@ -58,9 +59,11 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     ds = read_ds_config(cfg.train.deepspeed_config)
     adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
     d = cfg.data
-    if d.data_path is None and d.tokenizer_type != "ByteTokenizer":
-        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path: the built-in corpus is stored as bytes.")
-    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+    if d.mock_data and d.data_path is not None:
+        raise ConfigError("--mock-data cannot be combined with --data-path; give one of them.")
+    if d.data_path is None and not d.mock_data and d.tokenizer_type != "ByteTokenizer":
+        raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path (or --mock-data): the built-in corpus is stored as bytes.")
+    tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, cfg.model.vocab_size)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer.vocab_size
     elif cfg.model.vocab_size < tokenizer.vocab_size:
@@ -151,7 +154,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
     set_aux_loss_scale(model, 1.0 / cfg.gradient_accumulation_steps)  # as DeepSpeed scales the LM loss
     if p.recompute_granularity == "full":
-        apply_recompute(model, p.recompute_num_layers)
+        apply_recompute(model, p.recompute_num_layers, p.recompute_method)
     if cfg.model.torch_compile:
         compile_layers(model)
         plan.compile_loss()
@@ -216,10 +219,15 @@ def release_parameter_views(params) -> None:
 def build_datasets(cfg: RunConfig) -> tuple:
     """Train and validation samples (collective: one rank builds the index caches, the others wait)."""
     t, d = cfg.train, cfg.data
-    prefixes = d.data_path or [builtin_prefix()]
-    valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+    prefixes = d.data_path or ([] if d.mock_data else [builtin_prefix()])
+    mock = None
+    if d.mock_data:
+        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, cfg.model.vocab_size)
+        mock = MockDocuments(tokenizer.vocab_size, tokenizer.eod)
+    # Megatron-LM's count (training.py get_train_valid_test_num_samples): every evaluation draws fresh batches
+    valid_samples = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
     train, valid, _ = build_gpt_datasets(prefixes, d.split, cfg.model.seq_length, t.seed,
-                                         (t.train_iters * t.global_batch_size, valid_samples, 0), d.data_cache_path)
+                                         (t.train_iters * t.global_batch_size, valid_samples, 0), d.data_cache_path, documents=mock)
     if t.eval_interval and valid is None:
         raise ConfigError(f"--eval-interval needs a validation split, but --split {d.split} gives it nothing.")
     return train, valid
@@ -233,13 +241,23 @@ def data_iterator(run: Run, data=None, start_iteration: int | None = None) -> It
                          start_iteration=run.iteration if start_iteration is None else start_iteration, device=device())
 
 
+def evaluations_before(iteration: int, eval_interval: int) -> int:
+    """How many evaluations a run made before the one at ``iteration`` (one every ``eval_interval``
+    steps, and one at the end when that is not on the interval)."""
+    return -(-iteration // eval_interval) - 1
+
+
 @torch.no_grad()
 def evaluate(run: Run) -> float:
-    """Mean loss over the first ``--eval-iters`` global batches of the validation split (every rank)."""
+    """Mean loss over ``--eval-iters`` global batches of the validation split (every rank). As in
+    Megatron-LM, each evaluation draws the batches after the previous one's, so the validation
+    samples are fresh each time (and the same after a resume)."""
     engine, t = run.engine, run.cfg.train
-    batches = data_iterator(run, run.valid_data, start_iteration=0)
+    first = evaluations_before(run.iteration, t.eval_interval) * t.eval_iters
+    batches = data_iterator(run, run.valid_data, start_iteration=first)
     losses = []
     for _ in range(t.eval_iters):
+        release_cached_memory(run, 1)
         if run.is_pipeline:
             losses.append(engine.eval_batch(batches).float())  # averaged over micro-batches and DP by DeepSpeed
             continue
@@ -252,6 +270,12 @@ def evaluate(run: Run) -> float:
             loss /= run.ps.dp.size
         losses.append(loss)
     return torch.stack(losses).mean().item()
+
+
+def release_cached_memory(run: Run, level: int) -> None:
+    """--empty-unused-memory-level: give the CUDA caching allocator's free blocks back at ``level``."""
+    if run.cfg.train.empty_unused_memory_level >= level and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def train_step(run: Run, batches: Iterator) -> torch.Tensor:
@@ -271,6 +295,7 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
                 micro_loss = engine(tokens, labels)
             with record_function("hybridlm.backward"):
                 engine.backward(micro_loss)
+            release_cached_memory(run, 2)
             with record_function("hybridlm.step"):
                 engine.step()
             total += micro_loss.detach().float()
@@ -301,8 +326,9 @@ def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
 
 def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     """The whole job. Returns the logged records (for tests and benchmarks)."""
+    started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
     cfg, ds_config = prepare_config(parse_args(argv))
-    exit_signal = ExitSignal(cfg.train.exit_signal) if cfg.train.exit_signal_handler else None  # before the slow set-up
+    early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
     run = build_run(cfg, ds_config)
     t = cfg.train
     rank0 = dist.get_rank() == 0
@@ -329,9 +355,11 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     collector = ManualGC(t.manual_gc, t.manual_gc_interval)
     last_logged, started = run.iteration, time.perf_counter()
     consecutive_bad = 0
+    stop = None
     while run.iteration < t.train_iters:
         lr = run.engine.get_lr()[0]
         loss = train_step(run, batches)
+        release_cached_memory(run, 1)
         collector.after_step(run.iteration)
         profiler.step(run.iteration)
         if run.engine.was_step_applied():
@@ -366,7 +394,8 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
             started = time.perf_counter()  # evaluation time is not training time
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run)
-        if exit_signal is not None and run.iteration < t.train_iters and exit_signal.agreed(device()):
+        stop = early_exit.reason(run.iteration, device()) if run.iteration < t.train_iters else None
+        if stop:
             break  # every rank saves below, at the same iteration
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
@@ -374,11 +403,13 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     collector.close()
     close_all(trackers)
     log.close()
-    if exit_signal is not None:
-        exit_signal.restore()
-        if run.iteration < t.train_iters:
-            raise Preempted(f"{t.exit_signal} received: saved {checkpoint.tag_for(run.iteration)} in {t.save} and stopped "
-                            f"at iteration {run.iteration} of {t.train_iters}")
+    early_exit.restore()
+    if run.iteration < t.train_iters and stop == "signal":
+        raise Preempted(f"{t.exit_signal} received: saved {checkpoint.tag_for(run.iteration)} in {t.save} and stopped "
+                        f"at iteration {run.iteration} of {t.train_iters}")
+    if run.iteration < t.train_iters and rank0:
+        saved = f"saved {checkpoint.tag_for(run.iteration)} in {t.save} and " if t.save else ""
+        print(f"hybridlm: {stop}: {saved}stopped at iteration {run.iteration} of {t.train_iters}", flush=True)
     return records
 
 
