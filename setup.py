@@ -17,6 +17,7 @@ setup(
         "zstandard",  # .jsonl.zst input to preprocess_data
         "pyyaml",
         "safetensors",
+        "sentencepiece",  # --tokenizer-type Llama2Tokenizer
     ],
     extras_require={
         "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     for section, f, hint in _cli_fields():
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hint)
-        kw: dict[str, Any] = dict(dest=f.name, help=f.metadata["help"], default=argparse.SUPPRESS)
+        kw: dict[str, Any] = dict(dest=f.name, help=f.metadata["help"].replace("%", "%%"), default=argparse.SUPPRESS)
         if typ is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif f.metadata["nargs"]:
@@ -66,6 +66,7 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
     path = ns.pop("config", None)
     values = load_yaml(path) if path else {}
     values.update(ns)
+    typed = frozenset(values)
     if values.get("model") is None and not any(name in values for name in SHAPE_FLAGS):
         values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
     if values.get("model") is not None:  # the preset under the run file under the flags
@@ -73,6 +74,7 @@ def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
     notes = megatron.translate(values)
     cfg = config_from_dict(values)
     cfg.notes.extend(notes)
+    cfg.typed = typed
     return cfg
 
 

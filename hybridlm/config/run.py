@@ -21,6 +21,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
     notes: list = field(default_factory=list)  # lines for the run log: what a Megatron flag maps to here
+    typed: frozenset = None  # the flags given on the command line or in --config, not by a preset (default: explicit)
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -110,9 +111,13 @@ class RunConfig:
         iterations or samples, never both; the warm-up ends before the decay does."""
         t = self.train
         g = t.global_batch_size
+        typed = self.explicit if self.typed is None else self.typed
         if t.train_samples is not None:
+            for name in ("lr_warmup_iters", "lr_decay_iters", "lr_wsd_decay_iters"):
+                if name not in typed:  # a preset's iteration-based schedule gives way to the samples one
+                    setattr(t, name, 0 if name == "lr_warmup_iters" else None)
             refuse_first("--train-samples", (
-                ("train_iters" in self.explicit and t.train_iters != t.train_samples // g,
+                ("train_iters" in typed and t.train_iters != t.train_samples // g,
                  f"--train-iters {t.train_iters} (give one of them, as in Megatron-LM)"),
                 (t.lr_decay_iters is not None, "--lr-decay-iters; use --lr-decay-samples"),
                 (t.lr_warmup_iters != 0, "--lr-warmup-iters; use --lr-warmup-samples"),
@@ -126,6 +131,8 @@ class RunConfig:
         if t.train_iters < 1:
             raise ConfigError(f"--train-iters must be positive, got {t.train_iters}"
                               f"{f' (--train-samples {t.train_samples} / --global-batch-size {g})' if t.train_samples else ''}.")
+        if t.lr_warmup_fraction is not None and "lr_warmup_iters" not in typed:
+            t.lr_warmup_iters = 0  # a preset's warm-up gives way to the fraction
         if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
             raise ConfigError("--lr-warmup-fraction cannot be combined with --lr-warmup-iters or --lr-warmup-samples; give one of them.")
         wsd = t.lr_decay_style in ("wsd", "WSD")

@@ -96,7 +96,7 @@ def apply_recompute(model: nn.Module, num_layers: int | None, method: str | None
     checkpoint; ``uniform`` checkpoints every group of ``num_layers`` consecutive layers as one
     unit (its input is all that is kept). Returns the number of checkpointed units."""
     blocks = transformer_layers(model)
-    if method != "uniform" or not num_layers or num_layers == 1:
+    if method != "uniform":
         chosen = blocks if num_layers is None else blocks[:num_layers]
         for block in chosen:
             block.recompute = True
