@@ -27,7 +27,16 @@ _LINKED = {
 }
 
 
+# the repository (or source tree) the package runs from, where ds_configs/ lives
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def read_ds_config(path: str) -> dict:
+    """The JSON at ``path``; a relative path not found from the working directory is also looked
+    up in the source tree, so a Megatron-LM script (which names no JSON) gets the default
+    ds_configs/zero1.json from wherever it is launched."""
+    if not os.path.isfile(path) and not os.path.isabs(path) and os.path.isfile(os.path.join(_SOURCE_ROOT, path)):
+        path = os.path.join(_SOURCE_ROOT, path)
     if not os.path.isfile(path):
         raise ConfigError(f"--deepspeed_config {path}: no such file.")
     try:

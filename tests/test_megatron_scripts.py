@@ -1,0 +1,113 @@
+"""Megatron-LM's example launch scripts, scaled down, run under torchrun as a Megatron user runs
+them: train, save, run again to resume (tests/megatron_scripts/ holds the copies: every flag kept,
+the sizes shrunk through environment variables that default to Megatron's values). The data comes
+from scripts/preprocess_data.py run with the guides' own commands, or is Megatron's mock data."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from harness import free_port
+from megatron_files import corpus_jsonl, gpt2_vocab_and_merges, sentencepiece_model
+from oracle import ROOT
+
+pytestmark = pytest.mark.slow
+SCRIPTS = os.path.join(ROOT, "tests", "megatron_scripts")
+
+
+def _run(command: list[str], cwd, env: dict, timeout: float = 300) -> str:
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()), **env}
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result.stdout + result.stderr
+
+
+def _launch(script: str, args: list[str], cwd, env: dict) -> str:
+    return _run(["bash", os.path.join(SCRIPTS, script), *args], cwd, env)
+
+
+def _preprocess(cwd, *flags: str) -> None:
+    _run([sys.executable, os.path.join(ROOT, "scripts", "preprocess_data.py"), *flags, "--no-progress"], cwd, {})
+
+
+def _iterations(log: str) -> list[int]:
+    return [int(m) for m in re.findall(r"^iter\s+(\d+)/", log, flags=re.M)]
+
+
+def _written_config(run_dir) -> dict:
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def test_mixtral_8x7b_script_trains_pp2_ep2_saves_and_resumes_without_optimizer_and_rng(tmp_path):
+    corpus_jsonl(str(tmp_path / "data.jsonl"))
+    tokenizer = sentencepiece_model(str(tmp_path))
+    # the guide's command (seeds/000), with the script's tokenizer type
+    _preprocess(tmp_path, "--input", "data.jsonl", "--output-prefix", "processed_data", "--tokenizer-type", "Llama2Tokenizer",
+                "--tokenizer-model", tokenizer, "--workers", "2", "--append-eod")
+    shrunk = dict(GPUS_PER_NODE="4", SEQ_LENGTH="64", MAX_POSITION_EMBEDDINGS="256", NUM_LAYERS="4", HIDDEN_SIZE="64",
+                  FFN_HIDDEN_SIZE="128", NUM_ATTENTION_HEADS="4", NUM_QUERY_GROUPS="2", NUM_EXPERTS="4",
+                  GLOBAL_BATCH_SIZE="8", LR_DECAY_ITERS="8", LR_WARMUP_ITERS="2", PIPELINE_MODEL_PARALLEL_SIZE="2",
+                  EXPERT_MODEL_PARALLEL_SIZE="2", SAVE_INTERVAL="2", EVAL_INTERVAL="2", EVAL_ITERS="1", SPLIT="90,8,2",
+                  WANDB_API_KEY="offline", WANDB_MODE="offline")
+    args = ["ckpt", tokenizer, "processed_data_text_document"]
+    first = _launch("train_mixtral_8x7b_distributed.sh", args, tmp_path, {**shrunk, "TRAIN_ITERS": "2"})
+    assert _iterations(first) == [1, 2] and "validation loss" in first
+    second = _launch("train_mixtral_8x7b_distributed.sh", args, tmp_path, {**shrunk, "TRAIN_ITERS": "4"})
+    assert _iterations(second) == [3, 4]
+    assert ("carried: model weights, iteration 2; reset: optimizer state (--no-load-optim), LR schedule (starts again "
+            "from its first step), random streams") in second
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
+    written = _written_config(tmp_path / "ckpt")
+    assert written["adam-beta2"] == 0.999 and written["adam-beta1"] == 0.9, "left out: Megatron's Adam betas"
+    assert written["moe-token-dispatcher-type"] == "alltoall" and written["moe-router-load-balancing-type"] == "aux_loss"
+    assert (written["group-query-attention"], written["num-query-groups"], written["wandb-name"]) == (True, 2, "Mixtral_8x7B")
+    assert (written["load-optim"], written["load-rng"], written["use-distributed-optimizer"]) == (False, False, True)
+
+
+def test_gpt3_175b_script_trains_a_gpt3_block_with_megatrons_defaults_saves_and_resumes(tmp_path):
+    corpus_jsonl(str(tmp_path / "my-corpus.json"))
+    vocab, merges = gpt2_vocab_and_merges(str(tmp_path))
+    os.replace(vocab, tmp_path / "gpt2-vocab.json")
+    os.replace(merges, tmp_path / "gpt2-merges.txt")
+    # the guide's GPT command (seeds/004), as written
+    _preprocess(tmp_path, "--input", "my-corpus.json", "--output-prefix", "my-gpt2", "--vocab-file", "gpt2-vocab.json",
+                "--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "gpt2-merges.txt", "--append-eod")
+    shrunk = dict(GPUS_PER_NODE="2", NUM_LAYERS="2", HIDDEN_SIZE="64", NUM_ATTENTION_HEADS="4", SEQ_LENGTH="64",
+                  MAX_POSITION_EMBEDDINGS="64", GLOBAL_BATCH_SIZE="4", LR_DECAY_ITERS="8", PRECISION=" ",
+                  TENSOR_MODEL_PARALLEL_SIZE="1", PIPELINE_MODEL_PARALLEL_SIZE="2", SPLIT="80,15,5", LOG_INTERVAL="1",
+                  SAVE_INTERVAL="2", EVAL_INTERVAL="2", EVAL_ITERS="1")
+    args = ["ckpt", "tb", "gpt2-vocab.json", "gpt2-merges.txt", "my-gpt2_text_document"]
+    first = _launch("train_gpt3_175b_distributed.sh", args, tmp_path, {**shrunk, "TRAIN_ITERS": "2"})
+    second = _launch("train_gpt3_175b_distributed.sh", args, tmp_path, {**shrunk, "TRAIN_ITERS": "4"})
+    assert (_iterations(first), _iterations(second)) == ([1, 2], [3, 4])
+    written = _written_config(tmp_path / "ckpt")
+    # what the script leaves out is Megatron-LM's: a GPT-3 block, not the project's Llama block
+    assert (written["normalization"], written["position-embedding-type"], written["swiglu"], written["add-bias-linear"]) == \
+        ("LayerNorm", "learned_absolute", False, True)
+    assert (written["hidden-dropout"], written["attention-dropout"], written["ffn-hidden-size"]) == (0.1, 0.1, 4 * 64)
+    assert (written["lr-warmup-fraction"], written["adam-beta2"], written["tokenizer-type"]) == (0.001, 0.95, "GPT2BPETokenizer")
+    assert os.listdir(tmp_path / "tb"), "no TensorBoard scalars written"
+
+
+def test_llama3_8b_script_trains_on_mock_data_saves_resumes_and_profiles(tmp_path):
+    shrunk = dict(GPUS_PER_NODE="2", DTYPE="bf16", ATTENTION_BACKEND="auto", NUM_LAYERS="2", HIDDEN_SIZE="64",
+                  FFN_HIDDEN_SIZE="128", NUM_ATTENTION_HEADS="4", NUM_QUERY_GROUPS="2", KV_CHANNELS="16", SEQ_LENGTH="64",
+                  MAX_POSITION_EMBEDDINGS="64", GLOBAL_BATCH_SIZE="4", LR_DECAY_SAMPLES="30", LR_WARMUP_SAMPLES="6",
+                  VOCAB_SIZE="512", EVAL_ITERS="1", EVAL_INTERVAL="2", SAVE_INTERVAL="2", DATA_CACHE_PATH=str(tmp_path / "cache"))
+    first = _launch("train_llama3_8b_h100_fp8.sh", ["ckpt", "tb"], tmp_path, {**shrunk, "TRAIN_SAMPLES": "16"})
+    second = _launch("train_llama3_8b_h100_fp8.sh", ["ckpt", "tb"], tmp_path, {**shrunk, "TRAIN_SAMPLES": "24"})
+    assert (_iterations(first), _iterations(second)) == ([1, 2, 3, 4], [5, 6])
+    assert "--ckpt-format torch_dist: checkpoints are DeepSpeed's" in first
+    assert sorted(os.listdir(tmp_path / "profile")) == ["trace_rank0_steps4-6.json", "trace_rank1_steps4-6.json"]
+    written = _written_config(tmp_path / "ckpt")
+    assert (written["train-iters"], written["mock-data"], written["tokenizer-type"], written["apply-layernorm-1p"]) == \
+        (6, True, "NullTokenizer", True)
+    assert (written["decoupled-lr"], written["group-query-attention"], written["kv-channels"]) == (5.0e-4, True, 16)
