@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from hybridlm.config import ConfigError, effective_yaml, flags_markdown, parse_args
+from hybridlm.config import ConfigError, effective_yaml, flags_markdown, megatron, parse_args
 from oracle import ROOT
 
 
@@ -81,6 +81,8 @@ def test_readme_flag_table_is_generated_from_the_config():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert flags_markdown() in readme, "README's flag table is stale: regenerate with `python -m hybridlm.config --markdown`"
+    assert megatron.markdown() in readme, \
+        "README's Megatron-LM table is stale: regenerate with `python -m hybridlm.config --megatron-markdown`"
 
 
 def test_yaml_run_file_fills_the_config_and_flags_win(tmp_path):
