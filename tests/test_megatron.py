@@ -236,6 +236,17 @@ def test_layernorm_1p_is_the_same_function_with_the_gain_minus_one(normalization
         assert torch.equal(rule.split(torch.zeros(3))[0], torch.ones(3))  # Hugging Face gets the gain
 
 
+def test_load_balancing_none_drops_the_aux_loss_whatever_its_coefficient():
+    from test_moe import _naive_moe, _tiny_layer
+    layer = _tiny_layer(moe_router_load_balancing_type="none")  # --moe-aux-loss-coeff 0.1 there
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(0))
+    layer(x).sum().backward()
+    params = [p.detach().clone().requires_grad_() for p in (layer.router.weight, layer.w1, layer.w2)]
+    y_ref, aux_ref = _naive_moe(x, *params, k=2, aux_coeff=0.0, z_coeff=0.01)
+    (y_ref.sum() + aux_ref).backward()
+    assert torch.allclose(layer.router.weight.grad, params[0].grad, rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------- tokenizers and data
 
 @pytest.fixture(scope="module")
