@@ -6,8 +6,10 @@
 #      every flag as written (DTYPE fp8: --fp8-format hybrid, amax 1024/max, --fp8-param-gather; fused
 #      attention; mock data), on one GPU with the 8B block cut to 4 layers and a 32768 vocabulary (so
 #      that two checkpoints fit the disk): 10 steps, saved, then the script run again resumes to 20.
-# From the repo root: bash benchmarks/device_megatron.sh   (rows in $OUT/rows.md, logs in $OUT/logs.tar.gz)
+# From the repo root: bash benchmarks/device_megatron.sh [bench|l3|all]   (rows in $OUT/rows.md, logs in $OUT/logs.tar.gz);
+# bench and l3 each fit one 10-minute device call.
 set -uo pipefail
+what=${1:-all}
 source .device/install.sh || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} OMP_NUM_THREADS=8
 REPO=$PWD
@@ -19,12 +21,15 @@ bench() {  # name args...
   echo "[$name] rc=$? $(grep -h '^BENCH' "$OUT/logs/$name.log")"
   grep -h -m3 -E 'Error|error:' "$OUT/logs/$name.log" | head -3
 }
+if [ "$what" != l3 ]; then
 bench ref_bf16 --model reference --steps 30 --warmup 8 --label "1 GPU, ZeRO-1, bf16 (Megatron FLOPs rule)" -- \
   --bf16 --deepspeed_config ds_configs/zero1.json
 bench ref_fp8 --model reference --steps 30 --warmup 10 --label "1 GPU, ZeRO-1, FP8 hybrid, compiled (Megatron FLOPs rule)" -- \
   --bf16 --deepspeed_config ds_configs/zero1.json --transformer-impl transformer_engine --fp8-format hybrid \
   --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --torch-compile
+fi
 
+if [ "$what" != bench ]; then
 mkdir -p "$OUT/l3" && cd "$OUT/l3" || exit 1
 L3=(env GPUS_PER_NODE=1 NUM_LAYERS=4 VOCAB_SIZE=32768 GLOBAL_BATCH_SIZE=8 LR_WARMUP_SAMPLES=16 LR_DECAY_SAMPLES=160
     EVAL_ITERS=2 EVAL_INTERVAL=10 SAVE_INTERVAL=1000 MASTER_PORT=29541)
@@ -35,5 +40,6 @@ echo "[l3_resume] rc=$? $(grep -c '^iter ' "$OUT/logs/l3_resume.log") steps; las
 grep -h '^hybridlm: --' "$OUT/logs/l3_first.log" | head -20
 cp ckpt/config.yaml "$OUT/logs/l3_config.yaml" 2>/dev/null; ls profile 2>/dev/null
 cd "$REPO" && rm -rf "$OUT/l3"
+fi
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
 echo "--- rows"; cat "$OUT/rows.md"
