@@ -22,5 +22,6 @@ setup(
     extras_require={
         "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
+        "bench": ["matplotlib"],  # benchmarks/headline.png (python -m benchmarks render)
     },
 )
