@@ -6,7 +6,7 @@
 Each rank runs the real training (``hybridlm.training.trainer.pretrain``) inside
 ``hybridlm.planner.measure.PeakMemory`` (CUDA: ``max_memory_allocated``; CPU: the allocator's
 records under ``torch.profiler``); rank 0 prints the worst rank's peak, the planner's estimate
-for the same flags (``hybridlm.planner.memory.estimate``) and their ratio, and appends one row
+for the same flags (``hybridlm.planner.memory.estimate``) and their ratio, and appends one record
 to ``--record-file``. ``--reduce-bucket-size N`` runs with a copy of the DeepSpeed JSON whose
 gradient buckets hold N elements (the shipped 5e8 would otherwise dominate small CPU models).
 """
@@ -83,8 +83,8 @@ def main() -> int:
               f"planner {predicted.total / GIB:.3f} GiB ({parts}; stage {predicted.stage}) | planner/measured {ratio:.3f}",
               flush=True)
         if args.record_file:
-            launcher = (f"deepspeed --num_gpus {world}" if torch.cuda.is_available()
-                        else f"OMP_NUM_THREADS=1 torchrun --nproc_per_node {world}")
+            launcher = (f"torchrun --nproc_per_node {world}" if "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun only
+                        else f"deepspeed --num_gpus {world}")
             model = cfg.model.model or (f"d{cfg.model.hidden_size} L{cfg.model.num_layers} "
                                         f"seq {cfg.model.seq_length} vocab {cfg.model.vocab_size}")
             append(args.record_file, script_record(

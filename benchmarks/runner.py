@@ -137,6 +137,21 @@ def megatron_command(case: Case, call: Call) -> list[str]:
             "--master_port", str(call.next_port()), "-m", "benchmarks.megatron", call.megatron_src, "--"] + args
 
 
+def shown(argv: list[str]) -> str:
+    """A run's command as a user would type it: python, deepspeed and torchrun by name, no port or record file."""
+    words, i = [], 0
+    while i < len(argv):
+        if argv[i:i + 3] in ([sys.executable, "-m", "torch.distributed.run"], [sys.executable, "-m", "deepspeed.launcher.runner"]):
+            words.append("torchrun" if argv[i + 2].startswith("torch") else "deepspeed")
+            i += 3
+        elif argv[i] in ("--master_port", "--record-file"):
+            i += 2
+        else:
+            words.append("python" if argv[i] == sys.executable else "deepspeed" if os.path.basename(argv[i]) == "deepspeed" else argv[i])
+            i += 1
+    return shlex.join(words)
+
+
 def execute(argv: list[str], log_path: str, timeout_s: float, env: dict) -> tuple[int, str]:
     """Run in its own process group (killed whole on timeout); (exit code, last lines of its log)."""
     with open(log_path, "w") as log:
@@ -189,7 +204,7 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
     code, log = execute(argv, log_path, timeout, _env(system))
     now = datetime.datetime.now()
     common.update(date=now.date().isoformat(), time=now.isoformat(timespec="seconds"), wall_s=round(time.monotonic() - started, 1))
-    failed = {**common, "status": "failed", "error": error_line(code, log), "command": shlex.join(argv),
+    failed = {**common, "status": "failed", "error": error_line(code, log), "command": shown(argv),
               "model": case.model, "model_args": ["--model", case.model] + list(case.flags)}
     if code != 0:
         return [failed]
@@ -224,12 +239,14 @@ def _megatron_record(case: Case, call: Call, common: dict, argv: list[str], log:
     commit_file = os.path.join(os.path.dirname(megatron.TARBALL), "COMMIT")
     return {**common, **figures, "status": "ok", "model": case.model, "model_args": ["--model", case.model] + list(case.flags),
             "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None, "peak_tflops": peak, "flops_per_token": per_token,
-            "steps": case.steps, "warmup": case.warmup, "command": shlex.join(argv),
+            "steps": case.steps, "warmup": case.warmup, "command": shown(argv),
             "megatron_commit": open(commit_file).read().strip() if os.path.exists(commit_file) else None}
 
 
 def plan(cases: list[Case], systems: Optional[set[str]], call: Call) -> list[tuple[Case, str]]:
-    """The runs to make, in order; cases this machine cannot run go to ``call.not_run``."""
+    """The runs to make, in order: each case's hybridlm and Megatron-LM runs first, case by case, then
+    the other peers (so a call cut short by its budget keeps the comparison users ask about first);
+    cases this machine cannot run go to ``call.not_run``."""
     gpus = device_count()
     runs = []
     for case in cases:
@@ -248,7 +265,7 @@ def plan(cases: list[Case], systems: Optional[set[str]], call: Call) -> list[tup
                 call.not_run.append((case.name, system, reason))
             else:
                 runs.append((case, system))
-    return runs
+    return sorted(runs, key=lambda run: run[1] not in ("hybridlm", "megatron-lm"))  # stable: case order kept
 
 
 def run(cases: list[Case], call: Call, systems: Optional[set[str]] = None) -> list[dict]:
@@ -297,7 +314,8 @@ def table(records: list[dict]) -> list[str]:
         ratio = (f"{base['tokens_per_sec_per_gpu'] / tps:.2f}x" if r["system"] != "hybridlm" and base and tps
                  and base.get("tokens_per_sec_per_gpu") else "")
         status = r.get("status", "ok") if r.get("status") == "ok" else f"failed: {r.get('error', '')[:80]}"
-        figures = "" if tps is not None else "; ".join(f"{k} {v}" for k, v in (r.get("figures") or {}).items())[:60]
-        lines.append(f"{r['case']:<18} {r['system']:<14} {f'{tps:,.0f}' if tps else figures:>11} "
-                     f"{f'{100 * mfu:.1f}%' if mfu else '':>6} {f'{peak:.1f}' if peak else '':>8} {ratio:>13}  {status}")
+        figures = "; ".join(f"{k} {v}" for k, v in (r.get("figures") or {}).items())
+        lines.append(f"{r['case']:<18} {r['system']:<14} {f'{tps:,.0f}' if tps else '':>11} "
+                     f"{f'{100 * mfu:.1f}%' if mfu else '':>6} {f'{peak:.1f}' if peak else '':>8} {ratio:>13}  {status}"
+                     + (f"  {r.get('label', '')}: {figures}" if figures else ""))
     return lines

@@ -153,3 +153,12 @@ def test_megatron_peer_runs_a_small_model_from_the_staged_source(tmp_path):
     assert record["status"] == "ok", record.get("error")
     assert len(record["step_tokens_per_sec_per_gpu"]) == 3 and record["peak_memory_gib"] > 0
     assert json.loads(json.dumps(record)) == record
+
+
+def test_a_call_runs_hybridlm_and_megatron_of_every_case_before_the_other_peers(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "device_count", lambda: 1)
+    monkeypatch.setattr(runner, "missing", lambda case, gpus: None)
+    call = runner.Call(out=str(tmp_path), commit="test", megatron_src=str(tmp_path))
+    order = [(case.name, system) for case, system in runner.plan([BY_NAME["ref-bf16"], BY_NAME["ref-fp8"]], None, call)]
+    assert order == [("ref-bf16", "hybridlm"), ("ref-bf16", "megatron-lm"), ("ref-fp8", "hybridlm"), ("ref-fp8", "megatron-lm"),
+                     ("ref-bf16", "torch-compile"), ("ref-bf16", "hf-zero2"), ("ref-bf16", "torch")]
