@@ -35,7 +35,7 @@ def _small_bucket_json(path: str, elements: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--label", required=True, help="the layout's name in the results table")
+    parser.add_argument("--label", required=True, help="the layout's name in the record (the tables' configuration column)")
     parser.add_argument("--record-file", default=None, help="append one JSON record here (rank 0; the benchmark suite's)")
     parser.add_argument("--reduce-bucket-size", type=int, default=None, help="gradient bucket elements (default: the JSON's)")
     args, flags = parser.parse_known_args()

@@ -70,9 +70,12 @@ def ceiling(corpus: str, tokenizer_dir: str) -> dict:
 def run_preprocess(command: list[str], megatron: bool = False) -> dict:
     """Wall time and peak RSS of the command (Linux keeps the larger of a child's and its waited-for
     children's peaks, and a forked child starts with this process's size: keep this process small).
-    Tokens: from our tool's summary line; Megatron's prints none, so its .bin's size (int32 ids below 65k: uint16)."""
+    Tokens: from our tool's summary line; Megatron's prints none, so from the index it wrote (the same format)."""
     start = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(command[1]))) if megatron else None
+    env = None
+    if megatron:  # its tool imports megatron.* from its source tree
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(command[1])),
+                                                                        os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if megatron else subprocess.DEVNULL,
                             text=True, env=env)
     out = proc.stdout.read()
@@ -81,8 +84,8 @@ def run_preprocess(command: list[str], megatron: bool = False) -> dict:
     if status != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{out}")
     if megatron:
-        prefix = command[command.index("--output-prefix") + 1]
-        tokens = os.path.getsize(f"{prefix}_text_document.bin") // 2  # uint16 ids: a vocabulary under 65,500
+        from hybridlm.data.indexed import IndexedDataset
+        tokens = int(IndexedDataset(command[command.index("--output-prefix") + 1] + "_text_document").sequence_lengths.sum())
         summary = f"{tokens:,} tokens (Megatron-LM's tools/preprocess_data.py)"
     else:
         tokens = int(out.split(" documents, ")[1].split(" tokens")[0].replace(",", ""))
