@@ -91,11 +91,16 @@ def _figure_columns(suite: str, records: list[dict]) -> list[str]:
     return list(dict.fromkeys(columns))
 
 
+def suite_commands(suite: str, records: list[dict]) -> list[str]:
+    """A suite's commands in the order its table first shows them: command ``c{i+1}`` is the i-th."""
+    return list(dict.fromkeys(r["command"] for r in newest_first([r for r in records if r.get("suite") == suite])))
+
+
 def suite_markdown(suite: str, records: list[dict]) -> list[str]:
     rows = newest_first([r for r in records if r.get("suite") == suite])
     if not rows:
         return []
-    commands: list[str] = []
+    commands = suite_commands(suite, records)
     timed = any(r.get("tokens_per_sec_per_gpu") for r in rows)
     head = ["date", "device", "case", "system", "configuration"]
     figures = [] if timed else _figure_columns(suite, rows)
@@ -103,8 +108,6 @@ def suite_markdown(suite: str, records: list[dict]) -> list[str]:
              if timed else figures) + ["command"]
     lines = [f"## {suite}", "", SUITES.get(suite, ""), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        if r["command"] not in commands:
-            commands.append(r["command"])
         if timed and r.get("tokens_per_sec_per_gpu") is None and r.get("status", "ok") == "ok":
             cells = [" ".join(f"{k} {v}" for k, v in (r.get("figures") or {}).items())] + [""] * 6
         elif timed:
@@ -163,15 +166,17 @@ def _other_runs(records: list[dict], case: str, system: str) -> str:
 
 
 def readme_table(records: list[dict]) -> str:
-    lines = [BEGIN, "", "| case | configuration | system | tokens/s/GPU | MFU | hybridlm / peer | run | all runs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [BEGIN, "", "| case | configuration | system | tokens/s/GPU | MFU | hybridlm / peer | run | command | all runs |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, system, r, rel in headline_rows(records):
         t = throughput(r)
         mfu = "" if t.mfu is None else f"{100 * t.mfu:.1f}%" + ("" if t.rule == "current" else f" ({RULES[t.rule]})")
         label = BY_NAME[name].label if system == "hybridlm" else "same case"
         when = f"{r['date']}, {r['device']}" + (" (profiled)" if r.get("profiled") else "")
+        suite = r["suite"]
+        command = f"[RESULTS.md {suite} c{suite_commands(suite, records).index(r['command']) + 1}](benchmarks/RESULTS.md#{suite})"
         lines.append(f"| `{name}` | {label} | {system} | {t.tokens_per_sec_per_gpu:,.0f} | {mfu} | {rel} | "
-                     f"{when} | {_other_runs(records, name, system)} |")
+                     f"{when} | {command} | {_other_runs(records, name, system)} |")
     lines += ["", END]
     return "\n".join(lines)
 
