@@ -31,9 +31,9 @@ Throughput is per GPU; a figure is the median of the timed steps after the warm-
 gives the slowest and fastest timed step. **TFLOP/s and MFU** are recomputed from the measured
 tokens/s by `hybridlm.training.metrics.flops_per_token` of the run's model flags (the function the
 trainer logs with) over the run's peak (dense bf16: 989 TFLOP/s on H100/H200; FP8 runs too). The
-*rule* column says how: `new`, measured under the current rule; `re-derived`, the run was measured
-under an earlier rule and its TFLOP/s and MFU are recomputed by the current one from its tokens/s;
-`old`, as published then (the model cannot be rebuilt from the command). *hybridlm / peer* is
+*rule* column says how: `new`, logged by the current rule; `re-derived`, recomputed by the current
+rule from the run's tokens/s (the run logged them by the rule of its day, which may differ); `old`,
+as published then (the model cannot be rebuilt from the command). *hybridlm / peer* is
 hybridlm's tokens/s over the peer's for the same case, from the same call unless it says otherwise.
 Peers: `megatron-lm` (Megatron-LM's pretrain_gpt.py, mock data, the same model; its flags in
 `benchmarks/megatron.py`), `torch` / `torch-compile` (this model as a plain PyTorch module, fused

@@ -63,7 +63,7 @@ def device_of(case: Case) -> str:
 def missing(case: Case, gpus: int) -> Optional[str]:
     """Why this machine cannot run the case (None when it can)."""
     if case.gpus > gpus:
-        return f"needs {case.gpus} GPUs, this machine has {gpus}"
+        return f"needs {case.gpus} GPU{'s' if case.gpus > 1 else ''}, this machine has {gpus}"
     for need in case.needs:
         try:
             found = importlib.util.find_spec(NEEDS[need]) is not None

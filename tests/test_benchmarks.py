@@ -138,6 +138,22 @@ def test_cases_this_machine_cannot_run_are_named_not_failed(tmp_path):
     assert [(c, s) for c, s, _ in call.not_run] == [("wide", "hybridlm"), ("wide", "megatron-lm")]
 
 
+SMALL = ("--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "704",
+         "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "4", "--vocab-size", "1024", "--bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("system", ["hybridlm", "torch-compile", "hf-zero2"])
+def test_hybridlm_and_each_baseline_write_their_record_on_one_gpu(tmp_path, system):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    case = Case("gpu-small", "cpu", "d256 L2, bf16", flags=SMALL, steps=3, warmup=2)
+    (record,) = runner.run_one(case, system, runner.Call(out=str(tmp_path), commit="test"))
+    assert record["status"] == "ok", record.get("error")
+    assert record["system"] == system and len(record["step_tokens_per_sec_per_gpu"]) == 3 and record["peak_memory_gib"] > 0
+    assert records.throughput(record).rule == "current"
+
+
 @pytest.mark.gpu
 def test_megatron_peer_runs_a_small_model_from_the_staged_source(tmp_path):
     if not torch.cuda.is_available():
@@ -145,9 +161,7 @@ def test_megatron_peer_runs_a_small_model_from_the_staged_source(tmp_path):
     src = megatron.source_dir(None)
     if src is None:
         pytest.skip("no Megatron-LM source: benchmarks/stage.sh stages it into .device/megatron")
-    case = Case("megatron-small", "cpu", "d256 L2, bf16", flags=("--num-layers", "2", "--hidden-size", "256",
-                "--num-attention-heads", "4", "--ffn-hidden-size", "704", "--seq-length", "256", "--micro-batch-size", "2",
-                "--global-batch-size", "4", "--bf16"), steps=3, warmup=2, peers=("megatron-lm",))
+    case = Case("megatron-small", "cpu", "d256 L2, bf16", flags=SMALL, steps=3, warmup=2, peers=("megatron-lm",))
     call = runner.Call(out=str(tmp_path), commit="test", megatron_src=src)
     (record,) = runner.run_one(case, "megatron-lm", call)
     assert record["status"] == "ok", record.get("error")
