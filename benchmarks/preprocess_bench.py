@@ -134,14 +134,21 @@ def main() -> None:
             command = [sys.executable, script, "--input", corpus, "--output-prefix", os.path.join(args.workdir, f"{system}{workers}"),
                        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer, "--append-eod",
                        "--workers", str(workers)] + extra
-            r = run_preprocess(command, megatron=system == "megatron-lm")
             shown = (f"python {shown_script} --input corpus.jsonl --output-prefix out --tokenizer-type HuggingFaceTokenizer "
                      f"--tokenizer-model bpe32k --append-eod --workers {workers}")
+            label = f"{data}: {shown_script} --workers {workers}"
+            try:
+                r = run_preprocess(command, megatron=system == "megatron-lm")
+            except SystemExit as e:  # the peer failing leaves our runs' records standing
+                if system == "hybridlm":
+                    raise
+                records.append(script_record(shown, [], label, {}, system=system, status="failed", error=str(e).splitlines()[-1]))
+                continue
             figures = {"MB/s": f"{mb / r['seconds']:.2f}", "M tokens/s": f"{r['tokens'] / r['seconds'] / 1e6:.2f}",
                        "of bare encode_batch": f"{100 * base['encode_batch']['seconds'] / r['seconds']:.0f}%",
                        "of bare encode_batch_fast": f"{100 * base['encode_batch_fast']['seconds'] / r['seconds']:.0f}%",
                        "peak RSS": f"{r['peak_rss_mb']:.0f} MB (largest process)"}
-            records.append({**script_record(shown, [], f"{data}: {shown_script} --workers {workers}", figures, system=system)})
+            records.append(script_record(shown, [], label, figures, system=system))
             print(system, r["summary"], flush=True)
     for record in records:
         print(record["label"], "|", "; ".join(f"{k} {v}" for k, v in record["figures"].items()))

@@ -214,7 +214,7 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
     if not produced:
         return [{**failed, "error": f"the run wrote no record (exit {code})"}]
     identity = {k: common[k] for k in ("call", "suite", "case", "commit", "device")}
-    records = [{**common, **r, **identity, "status": "ok"} for r in produced]  # a script's own system and label win
+    records = [{**common, "status": "ok", **r, **identity} for r in produced]  # a script's own system, label, status win
     if profile_dir:
         summaries = sorted(glob.glob(os.path.join(profile_dir, "*_summary.txt")))
         for trace in glob.glob(os.path.join(profile_dir, "trace_rank*.json")):
