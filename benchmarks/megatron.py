@@ -17,9 +17,10 @@ with Megatron's flags, plus what Megatron's own performance examples
 
 It runs under ``torchrun -m benchmarks.megatron SRC -- ARGS`` (this module's ``main``): Megatron's
 source is put on the path, its dataset index helper is compiled beforehand by the runner (with
-the C++ compiler directly: the GPU image need not have ``make``), and rank 0 prints the peak
-memory at the end. Megatron logs each iteration's time (``--log-interval 1``); ``parse_log`` takes
-the median over the iterations after the warm-up, like hybridlm's runs.
+the C++ compiler directly: the GPU image need not have ``make``), and rank 0 prints its peak
+memory and the device's bf16 peak at the end. Megatron logs each iteration's time
+(``--log-interval 1``); ``parse_log`` takes the median over the iterations after the warm-up, like
+hybridlm's runs.
 
 What Megatron-LM (HEAD of 2026-11) needs at import beyond its source, on the GPU machine's image
 (PyTorch 2.11, Triton, numpy, packaging, typing_extensions, einops, pybind11): Transformer Engine
@@ -133,6 +134,7 @@ _ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?elapsed time per itera
 _REPORTED = re.compile(r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)")
 _LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 PEAK_LINE = "MEGATRON_PEAK_MEMORY_GIB"
+DEVICE_LINE = "MEGATRON_DEVICE_PEAK_TFLOPS"
 
 
 def parse_log(text: str, *, tokens_per_iteration: int, world: int, warmup: int) -> dict:
@@ -150,10 +152,12 @@ def parse_log(text: str, *, tokens_per_iteration: int, world: int, warmup: int) 
         loss = float(found.group(1)) if found else loss
     if not timed:
         raise ValueError(f"no iteration after the first {warmup} was logged (see the log)")
-    peak = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(PEAK_LINE)]
+    def last(prefix: str) -> Optional[float]:
+        found = [line.split()[-1] for line in text.splitlines() if line.startswith(prefix)]
+        return float(found[-1]) if found and found[-1] != "None" else None
     return {"tokens_per_sec_per_gpu": statistics.median(timed), "step_tokens_per_sec_per_gpu": timed,
             "peer_reported_tflops_per_gpu": statistics.median(reported) if reported else None,
-            "final_loss": loss, "peak_memory_gib": peak[-1] if peak else None}
+            "final_loss": loss, "peak_memory_gib": last(PEAK_LINE), "peak_tflops": last(DEVICE_LINE)}
 
 
 def main(argv: list[str]) -> None:
@@ -168,7 +172,8 @@ def main(argv: list[str]) -> None:
     finally:
         import torch
         if torch.cuda.is_available() and os.environ.get("RANK", "0") == "0":
-            print(f"{PEAK_LINE} {torch.cuda.max_memory_allocated() / 2**30:.3f}", flush=True)
+            from hybridlm.training.metrics import peak_tflops  # the device's dense bf16 peak, as hybridlm's runs take it
+            print(f"{PEAK_LINE} {torch.cuda.max_memory_allocated() / 2**30:.3f}\n{DEVICE_LINE} {peak_tflops(None)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,16 @@ def device_count() -> int:
 
 
 def device_of(case: Case) -> str:
+    """"1x H200": the GPU's name read through nvidia-smi, so the runner holds no CUDA context beside its runs."""
     if case.gpus == 0:
         return f"CPU ({os.cpu_count()} cores)"
     from hybridlm.training.benchmark import device_label
-    return f"{case.gpus}x {device_label()}"
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                              check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        name = "GPU"
+    return f"{case.gpus}x {device_label(name)}"
 
 
 def missing(case: Case, gpus: int) -> Optional[str]:
@@ -232,9 +238,9 @@ def _megatron_record(case: Case, call: Call, common: dict, argv: list[str], log:
         figures = megatron.parse_log(log, tokens_per_iteration=tokens, world=case.ranks, warmup=case.warmup)
     except ValueError as e:
         return {**failed, "error": str(e)}
-    from hybridlm.training.metrics import flops_per_token, peak_tflops
+    from hybridlm.training.metrics import flops_per_token
     per_token = flops_per_token(run.model)  # the same rule as hybridlm's rows, on the same model
-    peak = peak_tflops(None)
+    peak = figures.pop("peak_tflops")
     tflops = figures["tokens_per_sec_per_gpu"] * per_token / 1e12
     commit_file = os.path.join(os.path.dirname(megatron.TARBALL), "COMMIT")
     return {**common, **figures, "status": "ok", "model": case.model, "model_args": ["--model", case.model] + list(case.flags),

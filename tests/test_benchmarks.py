@@ -114,11 +114,12 @@ def test_megatron_log_gives_median_tokens_per_second_after_the_warmup():
             " global batch size:    64 | lm loss: 1.050000E+01 | loss scale: 1.0 | grad norm: 1.000 |")
     log = "\n".join(line.format(i=i, s=64 * i, ms=ms, tf=tf) for i, ms, tf in
                     [(1, 9000.0, 1.0), (2, 1000.0, 700.0), (3, 1100.0, 650.0), (4, 1000.0, 700.0), (5, 1200.0, 600.0)])
-    log += f"\n{megatron.PEAK_LINE} 25.500\n"
+    log += f"\n{megatron.PEAK_LINE} 25.500\n{megatron.DEVICE_LINE} 989.0\n"
     got = megatron.parse_log(log, tokens_per_iteration=64 * 2048, world=1, warmup=1)
     assert got["step_tokens_per_sec_per_gpu"] == pytest.approx([131072.0, 131072 / 1.1, 131072.0, 131072 / 1.2])
     assert got["tokens_per_sec_per_gpu"] == pytest.approx((131072.0 + 131072 / 1.1) / 2)
     assert got["peer_reported_tflops_per_gpu"] == 675.0 and got["peak_memory_gib"] == 25.5 and got["final_loss"] == 10.5
+    assert got["peak_tflops"] == 989.0
     with pytest.raises(ValueError, match="no iteration after the first 5"):
         megatron.parse_log(log, tokens_per_iteration=1, world=1, warmup=5)
 

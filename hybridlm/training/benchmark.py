@@ -32,14 +32,13 @@ from .trainer import prepare_config, pretrain
 SYSTEMS = ("hybridlm",) + BASELINES
 
 
-def device_label() -> str:
-    if torch.cuda.is_available():
+def device_label(name: str | None = None) -> str:
+    """A GPU's short name ("H200"), of this process's GPU or of ``name``; "CPU" without one."""
+    if name is None and torch.cuda.is_available():
         name = torch.cuda.get_device_name()
-        for short in ("H200", "H100", "A100", "L40S"):
-            if short in name:
-                return short
-        return name
-    return "CPU"
+    if name is None:
+        return "CPU"
+    return next((short for short in ("H200", "H100", "A100", "L40S") if short in name), name)
 
 
 def time_peer(name: str, model_args: list[str], steps: int, warmup: int) -> dict:
