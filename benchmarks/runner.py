@@ -203,7 +203,11 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
               "device": device_of(case), "label": case.label}
     if system == "megatron-lm" and not case.script:
         argv = megatron_command(case, call)
-        megatron.build_helpers(call.megatron_src)
+        try:
+            megatron.build_helpers(call.megatron_src)
+        except (ImportError, OSError, subprocess.CalledProcessError) as e:
+            return [{**common, "status": "failed", "error": f"building Megatron-LM's dataset helper: {e}", "command": shown(argv),
+                     "date": datetime.date.today().isoformat()}]
     else:
         argv = hybridlm_command(case, system, record_file, call, profile_dir)
     started = time.monotonic()
