@@ -305,9 +305,11 @@ def finish(call: Call, records: list[dict]) -> None:
     lines = table(records)
     if call.not_run:
         lines += ["", "not run:"] + [f"  {case} / {system}: {why}" for case, system, why in call.not_run]
-        again = sorted({case for case, _, why in call.not_run if why.startswith("the call's budget")})
-        if again:
-            lines.append(f"  the rest: python -m benchmarks run --cases {','.join(again)} --out $OUT")
+        left = [(case, system) for case, system, why in call.not_run if why.startswith("the call's budget")]
+        if left:  # hybridlm again beside peers left over, so their ratios come from one call
+            cases = ",".join(dict.fromkeys(case for case, _ in left))
+            systems = ",".join(dict.fromkeys(["hybridlm"] + [system for _, system in left]))
+            lines.append(f"  the rest: python -m benchmarks run --cases {cases} --systems {systems} --out $OUT")
     with open(os.path.join(call.out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
