@@ -7,7 +7,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["hybridlm", "hybridlm.*"]),
     package_data={"hybridlm.data": ["builtin/*.jsonl.gz"],
-                  # the fused kernels' sources: JIT-built on first use from the installed package
+                  # the fused kernels' sources (ops/csrc, linked as hybridlm/ops/csrc; find_packages and the
+                  # wheel build follow the links, so hybridlm/ops/op_builder comes too): JIT-built on first use
                   "hybridlm.ops": ["csrc/*.h", "csrc/cpu/*.cpp", "csrc/cuda/*.h", "csrc/cuda/*.cuh", "csrc/cuda/*.cpp", "csrc/cuda/*.cu"]},
     install_requires=[
         "torch>=2.4",
@@ -22,5 +23,6 @@ setup(
     extras_require={
         "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
+        "bench": ["matplotlib"],  # benchmarks/headline.png (python -m benchmarks render)
     },
 )

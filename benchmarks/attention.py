@@ -4,19 +4,18 @@ FLOPs follow flash-attn's convention: a causal forward is 2 matmuls of 2*B*H*S*S
 each, and the backward is 2.5x the forward. Timing: CUDA events around N iterations after
 warm-up (the first calls autotune or compile).
 
-    python benchmarks/attention.py --batch 4 --heads 16 --seq 4096 --head-dim 128 [--results-file R.md]
+    python benchmarks/attention.py --batch 4 --heads 16 --seq 4096 --head-dim 128 [--record-file R.jsonl]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.records import append, script_record  # noqa: E402
 from hybridlm.model.attention_backends import BACKENDS, make_attention_core, resolve_backend  # noqa: E402
 
 
@@ -50,13 +49,11 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--results-file", default=None)
+    parser.add_argument("--record-file", default=None, help="append one JSON record per backend (the benchmark suite's)")
     args = parser.parse_args()
     groups = args.groups or args.heads
     b, h, s, d = args.batch, args.heads, args.seq, args.head_dim
     flops = 3.5 * (4 * b * h * s * s * d / 2)
-    device = torch.cuda.get_device_name()
-    short = next((n for n in ("H200", "H100", "A100") if n in device), device)
     rows = []
     for backend in BACKENDS:
         try:
@@ -73,12 +70,10 @@ def main() -> int:
         tflops = flops / seconds / 1e12
         print(f"{backend:6s} {seconds * 1e3:8.2f} ms  {tflops:6.1f} TFLOP/s fwd+bwd")
         rows.append((backend, tflops))
-    if args.results_file:
-        command = "python benchmarks/attention.py " + shlex.join(a for a in sys.argv[1:] if a != args.results_file and a != "--results-file")
-        with open(args.results_file, "a") as f:
-            for backend, tflops in rows:
-                f.write(f"| {datetime.date.today().isoformat()} | {short} | causal attention B{b} H{h} S{s} D{d} bf16 | "
-                        f"--attention-backend {backend}, fwd+bwd | {tflops:.0f} TFLOP/s | `{command}` |\n")
+    for backend, tflops in rows if args.record_file else ():
+        append(args.record_file, script_record("python benchmarks/attention.py", sys.argv[1:],
+                                               f"causal attention B{b} H{h} S{s} D{d} bf16, --attention-backend {backend}, fwd+bwd",
+                                               {"TFLOP/s": f"{tflops:.0f}"}))
     return 0
 
 

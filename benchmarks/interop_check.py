@@ -1,6 +1,6 @@
 """GPU check of checkpoint interoperability (issue 7) with a mid-size bf16 model; prints a table last.
 
-    python3 benchmarks/interop_check.py --out $OUT        (4 GPUs; benchmarks/device_interop.sh calls it)
+    python3 benchmarks/interop_check.py --out $OUT        (4 GPUs, after `source .device/install.sh`)
     python3 benchmarks/interop_check.py --out /tmp/x --tiny   (smoke test on CPU, tiny fp32 model)
 
 1. Trains 20 steps at TP=2 x PP=2 (ZeRO-1, bf16), saving at steps 10 and 20.

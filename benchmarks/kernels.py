@@ -11,14 +11,12 @@ Timing: the GPU is first kept busy (torch.cuda._sleep) while every timed iterati
 so CPU launch overhead does not count; L2 is flushed before each iteration (a 256 MiB write);
 one CUDA event pair per iteration.
 
-    python benchmarks/kernels.py [--tokens 8192 --hidden 2048 --heads 16 --head-dim 128 --ffn 5504] [--results-file R.md]
+    python benchmarks/kernels.py [--tokens 8192 --hidden 2048 --heads 16 --head-dim 128 --ffn 5504] [--record-file R.jsonl]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import statistics
 import sys
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hybridlm.config import FUSED_OPS  # noqa: E402
+from benchmarks.records import append, script_record  # noqa: E402
 from hybridlm.ops import reference, select_kernels  # noqa: E402
 
 
@@ -128,7 +127,7 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=5504)
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--results-file", default=None, help="append one markdown row per figure (benchmarks/RESULTS.md format)")
+    parser.add_argument("--record-file", default=None, help="append one JSON record per op and implementation (the benchmark suite's)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -137,12 +136,11 @@ def main() -> int:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     ceiling = copy_ceiling_gbs(flush, args.iters)
     name = torch.cuda.get_device_name()
-    device = next((n for n in ("H200", "H100", "A100") if n in name), name)
     print(f"{name}: copy ceiling {ceiling:,.0f} GB/s (1 GiB copy_, read + write)")
     impls = {"eager": Eager(), "torch.compile": Compiled(), "fused": fused}
     header = f"{'op':8s} {'pass':9s} {'eager us':>9s} {'compile us':>11s} {'fused us':>9s} {'fused GB/s':>11s} {'of copy':>8s} {'vs compile':>11s}"
     print(header)
-    rows, verdict = [], {}
+    rows, verdict = {}, {}
     for case in make_cases(args, torch.bfloat16):
         times = {label: measure(case, impl, args.iters, flush) for label, impl in impls.items()}
         for pass_index, (label, nbytes) in enumerate((("fwd", case.bytes_fwd), ("fwd+bwd", case.bytes_fwd + case.bytes_bwd))):
@@ -154,18 +152,15 @@ def main() -> int:
             if label == "fwd+bwd":
                 verdict[case.op] = speedup > 1.0
             for impl in impls:
-                rows.append((f"{case.op} {case.shape} bf16", f"{impl}, {label}",
-                             f"{ms[impl] * 1e3:.1f} us ({gbs[impl]:,.0f} GB/s, {gbs[impl] / ceiling:.0%} of copy)"))
+                rows.setdefault(f"{case.op} {case.shape} bf16, {impl}", {})[label] = (
+                    f"{ms[impl] * 1e3:.1f} us ({gbs[impl]:,.0f} GB/s, {gbs[impl] / ceiling:.0%} of copy)")
     on = [op for op in FUSED_OPS if verdict.get(op)]
     print(f"beats torch.compile in fwd+bwd (keep on under --fused-ops auto): {', '.join(on) or 'none'}")
-    if args.results_file:
-        shown = [a for i, a in enumerate(sys.argv[1:]) if a != "--results-file" and (i == 0 or sys.argv[i] != "--results-file")]
-        command = " ".join(["python benchmarks/kernels.py", *map(shlex.quote, shown)])
-        date = datetime.date.today().isoformat()
-        with open(args.results_file, "a") as out:
-            out.write(f"| {date} | {device} | copy_ 1 GiB bf16 | device copy (read + write) | {ceiling:,.0f} GB/s | `{command}` |\n")
-            for model, layout, figure in rows:
-                out.write(f"| {date} | {device} | {model} | {layout} | {figure} | `{command}` |\n")
+    if args.record_file:
+        append(args.record_file, script_record("python benchmarks/kernels.py", sys.argv[1:], "copy_ 1 GiB bf16, read + write",
+                                               {"device copy": f"{ceiling:,.0f} GB/s"}))
+        for label, figures in rows.items():
+            append(args.record_file, script_record("python benchmarks/kernels.py", sys.argv[1:], label, figures))
     return 0
 
 

@@ -6,17 +6,15 @@
 Each rank runs the real training (``hybridlm.training.trainer.pretrain``) inside
 ``hybridlm.planner.measure.PeakMemory`` (CUDA: ``max_memory_allocated``; CPU: the allocator's
 records under ``torch.profiler``); rank 0 prints the worst rank's peak, the planner's estimate
-for the same flags (``hybridlm.planner.memory.estimate``) and their ratio, and appends one row
-to ``--results-file``. ``--reduce-bucket-size N`` runs with a copy of the DeepSpeed JSON whose
+for the same flags (``hybridlm.planner.memory.estimate``) and their ratio, and appends one record
+to ``--record-file``. ``--reduce-bucket-size N`` runs with a copy of the DeepSpeed JSON whose
 gradient buckets hold N elements (the shipped 5e8 would otherwise dominate small CPU models).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
 import tempfile
 
@@ -37,11 +35,9 @@ def _small_bucket_json(path: str, elements: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--label", required=True, help="the layout's name in the results table")
-    parser.add_argument("--results-file", default=None, help="append one markdown row here (rank 0)")
+    parser.add_argument("--label", required=True, help="the layout's name in the record (the tables' configuration column)")
+    parser.add_argument("--record-file", default=None, help="append one JSON record here (rank 0; the benchmark suite's)")
     parser.add_argument("--reduce-bucket-size", type=int, default=None, help="gradient bucket elements (default: the JSON's)")
-    parser.add_argument("--model-label", default=None, help="the model's name in the table (default: --model or the shape)")
-    parser.add_argument("--date", default=None, help="the date column (default: today)")
     args, flags = parser.parse_known_args()
     flags = [f for f in flags if f != "--"]
     flags = [f for f in flags if not f.startswith("--local_rank")]
@@ -49,6 +45,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    from benchmarks.records import append, script_record
     from hybridlm.config import parse_args
     from hybridlm.model.attention_backends import resolve_backend
     from hybridlm.ops.select import DEFAULT_FUSED
@@ -85,22 +82,15 @@ def main() -> int:
         print(f"PLAN {args.label}: measured {worst / GIB:.3f} GiB (ranks: {', '.join(f'{p / GIB:.3f}' for p in peaks)}) | "
               f"planner {predicted.total / GIB:.3f} GiB ({parts}; stage {predicted.stage}) | planner/measured {ratio:.3f}",
               flush=True)
-        if args.results_file:
-            launcher = (f"deepspeed --num_gpus {dist.get_world_size()}" if torch.cuda.is_available()
-                        else f"OMP_NUM_THREADS=1 torchrun --nproc_per_node {dist.get_world_size()}")
-            shown = sys.argv[1:]
-            for option in ("--results-file", "--date"):
-                if option in shown:
-                    i = shown.index(option)
-                    del shown[i:i + 2]
-            command = f"{launcher} benchmarks/plan_check.py {shlex.join(shown)}"
-            model = args.model_label or cfg.model.model or (f"d{cfg.model.hidden_size} L{cfg.model.num_layers} "
-                                                             f"seq {cfg.model.seq_length} vocab {cfg.model.vocab_size}")
-            when = args.date or datetime.date.today().isoformat()
-            with open(args.results_file, "a") as f:
-                f.write(f"| {when} | {device} | {model} | {args.label} | "
-                        f"measured {worst / GIB:.3f} GiB, planner {predicted.total / GIB:.3f} GiB "
-                        f"({100 * (ratio - 1):+.1f}%) | `{command}` |\n")
+        if args.record_file:
+            launcher = (f"torchrun --nproc_per_node {world}" if "TORCHELASTIC_RUN_ID" in os.environ  # set by torchrun only
+                        else f"deepspeed --num_gpus {world}")
+            model = cfg.model.model or (f"d{cfg.model.hidden_size} L{cfg.model.num_layers} "
+                                        f"seq {cfg.model.seq_length} vocab {cfg.model.vocab_size}")
+            append(args.record_file, script_record(
+                f"{launcher} benchmarks/plan_check.py", [a for a in sys.argv[1:] if not a.startswith("--local_rank")],
+                args.label, {"measured GiB": f"{worst / GIB:.3f}", "planner GiB": f"{predicted.total / GIB:.3f}",
+                             "planner vs measured": f"{100 * (ratio - 1):+.1f}%"}, model=model, device=device))
     dist.barrier()
     dist.destroy_process_group()
     return 0

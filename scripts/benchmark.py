@@ -1,5 +1,6 @@
-"""Benchmark a preset through the real training path:
-`deepspeed --num_gpus N scripts/benchmark.py --model reference --steps 30 -- [pretrain flags]`."""
+"""Benchmark a preset through the real training path, or one of its peers:
+`deepspeed --num_gpus N scripts/benchmark.py --model reference --steps 30 [--system torch-compile] [--record-file R.jsonl] -- [pretrain flags]`.
+The benchmark suite (`python -m benchmarks run`) runs this for its cases."""
 import os
 import sys
 

@@ -4,12 +4,14 @@ the sizes shrunk through environment variables that default to Megatron's values
 from scripts/preprocess_data.py run with the guides' own commands, or is Megatron's mock data."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from harness import free_port
@@ -20,17 +22,18 @@ pytestmark = pytest.mark.slow
 SCRIPTS = os.path.join(ROOT, "tests", "megatron_scripts")
 
 
-def _run(command: list[str], cwd, env: dict, timeout: float = 300) -> str:
+def _run(command: list[str], cwd, env: dict, timeout: float = 300, on_gpu: bool = False) -> str:
     bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()), **env}
+    device = {} if on_gpu else {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **device,
+           "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()), **env}
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stdout + result.stderr
 
 
-def _launch(script: str, args: list[str], cwd, env: dict) -> str:
-    return _run(["bash", os.path.join(SCRIPTS, script), *args], cwd, env)
+def _launch(script: str, args: list[str], cwd, env: dict, on_gpu: bool = False) -> str:
+    return _run(["bash", os.path.join(SCRIPTS, script), *args], cwd, env, timeout=600 if on_gpu else 300, on_gpu=on_gpu)
 
 
 def _preprocess(cwd, *flags: str) -> None:
@@ -111,3 +114,22 @@ def test_llama3_8b_script_trains_on_mock_data_saves_resumes_and_profiles(tmp_pat
     assert (written["train-iters"], written["mock-data"], written["tokenizer-type"], written["apply-layernorm-1p"]) == \
         (6, True, "NullTokenizer", True)
     assert (written["decoupled-lr"], written["group-query-attention"], written["kv-channels"]) == (5.0e-4, True, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine") is None,
+                    reason="the FP8 script as written needs a CUDA GPU with Transformer Engine")
+def test_llama3_8b_fp8_script_as_written_trains_saves_and_resumes_on_one_gpu(tmp_path):
+    """Every FP8 flag as the script has it (hybrid, amax 1024/max, --fp8-param-gather, fused attention,
+    seq 8192, mock data), on one GPU with the 8B block cut to 4 layers and a 32768 vocabulary so that
+    two checkpoints fit the machine's disk."""
+    shrunk = dict(GPUS_PER_NODE="1", NUM_LAYERS="4", VOCAB_SIZE="32768", GLOBAL_BATCH_SIZE="8", LR_WARMUP_SAMPLES="16",
+                  LR_DECAY_SAMPLES="160", EVAL_ITERS="2", EVAL_INTERVAL="10", SAVE_INTERVAL="1000",
+                  DATA_CACHE_PATH=str(tmp_path / "cache"))
+    first = _launch("train_llama3_8b_h100_fp8.sh", ["ckpt", "tb"], tmp_path, {**shrunk, "TRAIN_SAMPLES": "80"}, on_gpu=True)
+    second = _launch("train_llama3_8b_h100_fp8.sh", ["ckpt", "tb"], tmp_path, {**shrunk, "TRAIN_SAMPLES": "160"}, on_gpu=True)
+    assert (_iterations(first), _iterations(second)) == (list(range(1, 11)), list(range(11, 21)))
+    written = _written_config(tmp_path / "ckpt")
+    assert (written["fp8-format"], written["transformer-impl"], written["attention-backend"]) == \
+        ("hybrid", "transformer_engine", "cudnn")
+    assert (written["fp8-amax-history-len"], written["fp8-amax-compute-algo"], written["seq-length"]) == (1024, "max", 8192)

@@ -18,7 +18,7 @@ import torch
 
 from hybridlm.config import FUSED_OPS
 from hybridlm.ops import FusedOpsUnavailable, functions, reference, select_kernels
-from hybridlm.ops.builder import FusedOpsCPUBuilder
+from hybridlm.ops.op_builder import FusedOpsCPUBuilder
 from hybridlm.ops.jit import BATON_NAME, build_and_load, build_directory
 from hybridlm.ops.report import main as report_main
 
@@ -35,6 +35,32 @@ def gen():
 @pytest.fixture(scope="module")
 def kernels():
     return select_kernels(FUSED_OPS, require=True, device="cpu", log=lambda _: None)
+
+
+def test_the_package_reaches_the_top_level_sources_and_builders_and_ships_them(monkeypatch):
+    """ops/csrc and ops/op_builder sit beside the package (DeepSpeed's layout); the package's links
+    make the builders importable and the sources found, and setup.py's globs ship every source."""
+    import glob
+    import runpy
+    from unittest import mock
+
+    import setuptools
+
+    import hybridlm.ops.op_builder as op_builder
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert os.path.realpath(op_builder.__file__).startswith(os.path.join(root, "ops", "op_builder"))
+    for device in ("cpu", "cuda"):
+        builder = op_builder.builder_for(device)
+        assert all(os.path.exists(s) for s in builder.sources()), builder.sources()
+    monkeypatch.chdir(root)  # setup.py finds packages from the current directory
+    with mock.patch.object(setuptools, "setup") as setup:
+        runpy.run_path(os.path.join(root, "setup.py"))
+    options = setup.call_args.kwargs
+    assert "hybridlm.ops.op_builder" in options["packages"]
+    shipped = {os.path.realpath(p) for pattern in options["package_data"]["hybridlm.ops"]
+               for p in glob.glob(os.path.join(root, "hybridlm", "ops", pattern))}
+    sources = {os.path.realpath(p) for p in glob.glob(os.path.join(root, "ops", "csrc", "**", "*.*"), recursive=True)}
+    assert sources and sources <= shipped, sorted(sources - shipped)
 
 
 @pytest.mark.ops_build

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from ..config import FUSED_OPS
-from .builder import builder_for
+from .op_builder import builder_for
 from .jit import build_directory
 from .select import DEFAULT_FUSED
 

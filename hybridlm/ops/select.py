@@ -15,7 +15,7 @@ from deepspeed.ops.op_builder.builder import OpBuilder
 
 from ..config import FUSED_OPS, ConfigError
 from . import reference
-from .builder import builder_for
+from .op_builder import builder_for
 from .functions import fused_calls
 from .jit import BuildOutcome, build_and_load
 

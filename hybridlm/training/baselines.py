@@ -1,5 +1,5 @@
-"""What a user would run instead, timed the same way on the same shape: the yardsticks of
-``scripts/benchmark.py --baselines``.
+"""What a user would run instead, timed the same way on the same shape: the peers of
+``scripts/benchmark.py --system/--baselines`` (and of the benchmark suite's cases).
 
   torch          this project's model definition as a plain single-GPU PyTorch module: fp32
                  weights, bf16 autocast, fused AdamW, no DeepSpeed (the fastest simple loop)
@@ -8,7 +8,8 @@
                  bf16, SDPA attention (what most fine-tuning stacks do)
 
 Each runs ``warmup`` untimed steps, then ``steps`` timed steps of ``accumulation`` micro-batches
-of random tokens, synchronising the device before and after the timed window.
+of random tokens. Each timed step ends by reading its loss (``.item()``, a device sync), as
+hybridlm's logged steps do, so both report the median of per-step throughputs.
 """
 from __future__ import annotations
 
@@ -54,12 +55,12 @@ def _time_steps(step, shape: Shape) -> dict:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    seconds = []
     for _ in range(shape.steps):
-        loss = step()
-    final_loss = loss.item()
-    seconds = (time.perf_counter() - start) / shape.steps
-    return {"tokens_per_sec_per_gpu": shape.tokens_per_step / seconds, "step_seconds": seconds,
+        start = time.perf_counter()
+        final_loss = step().item()
+        seconds.append(time.perf_counter() - start)
+    return {"step_tokens_per_sec": [shape.tokens_per_step / s for s in seconds],
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30, "final_loss": final_loss}
 
 
@@ -135,7 +136,7 @@ def run_baseline(name: str, shape: Shape) -> dict:
         return plain_pytorch(shape, compile=True)
     if name == "hf-zero2":
         return hf_deepspeed_zero2(shape)
-    raise ValueError(f"--baselines: unknown baseline {name!r} (have: {', '.join(BASELINES)})")
+    raise ValueError(f"unknown baseline {name!r} (have: {', '.join(BASELINES)})")
 
 
 def _release() -> None:

@@ -11,9 +11,7 @@ first ``skip`` steps, must stay under ``tolerance``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import shlex
 import sys
 from dataclasses import dataclass
 
@@ -67,13 +65,6 @@ def compare(reference: dict[int, float], other: dict[int, float], *, window: int
     return Comparison(windows, abs(oth - ref) / abs(ref), (first, last))
 
 
-def _row(args, result: Comparison, argv: list[str]) -> str:
-    command = "python scripts/compare_runs.py " + shlex.join(a for a in argv if a not in (args.results_file, "--results-file"))
-    return (f"| {datetime.date.today().isoformat()} | {args.device} | {args.model} | {args.layout} | "
-            f"max windowed loss gap {100 * result.max_gap:.2f}% vs the reference run (window {args.window}, after step {args.skip}) "
-            f"| `{command}` |\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,10 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=10, help="steps per averaged window")
     parser.add_argument("--skip", type=int, default=0, help="ignore the first steps (warm-up)")
     parser.add_argument("--tolerance", type=float, default=0.02, help="largest allowed relative gap of windowed means")
-    parser.add_argument("--results-file", default=None, help="append the gap as one row of benchmarks/RESULTS.md's table")
-    parser.add_argument("--device", default="", help="for the results row")
-    parser.add_argument("--model", default="", help="for the results row")
-    parser.add_argument("--layout", default="", help="for the results row")
     args = parser.parse_args(argv)
     if args.window < 1 or args.tolerance <= 0:
         print("error: --window must be positive and --tolerance greater than 0.", file=sys.stderr)
@@ -101,7 +88,4 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "tracks" if result.max_gap <= args.tolerance else "DIVERGES from"
     print(f"{args.other} {verdict} {args.reference}: largest windowed gap {100 * result.max_gap:.2f}% "
           f"(steps {result.worst_window[0]}-{result.worst_window[1]}; tolerance {100 * args.tolerance:.1f}%)")
-    if args.results_file:
-        with open(args.results_file, "a") as f:
-            f.write(_row(args, result, argv))
     return 0 if result.max_gap <= args.tolerance else 1

@@ -1,5 +1,11 @@
 """DeepSpeed op builders for the fused kernels: one extension per device kind.
 
+They live beside the C++/CUDA sources in the top-level ``ops/`` (``ops/op_builder/`` next to
+``ops/csrc/``), as DeepSpeed keeps ``op_builder/`` beside ``csrc/``; the package reaches both
+through the links ``hybridlm/ops/op_builder`` and ``hybridlm/ops/csrc``, which a wheel build
+turns into real folders, so the sources are found the same way from a checkout, an editable
+install and ``pip install .``: beside this folder.
+
 Both subclass DeepSpeed's own builders, so the build goes through the same path as
 DeepSpeed's ops (``OpBuilder.load`` -> ``jit_load`` -> ``torch.utils.cpp_extension.load``,
 cached in TORCH_EXTENSIONS_DIR) and takes the same environment (TORCH_CUDA_ARCH_LIST,
@@ -19,7 +25,8 @@ import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder, OpBuilder, assert_no_cuda_mismatch, installed_cuda_version
 from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
 
-CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# ../csrc from here: ops/csrc in a checkout, hybridlm/ops/csrc in an installed package
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
 
 def _missing_build_tools() -> Optional[str]:

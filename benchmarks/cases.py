@@ -1,0 +1,195 @@
+"""Every benchmark case, as data: what runs, on how many GPUs, for how long, beside which peers.
+
+A case is one configuration. Its runs are hybridlm's (``scripts/benchmark.py``, or for the
+cases with a ``script``, that helper) and one run per peer, all in the same call of the
+runner (``python -m benchmarks run --cases NAME``), so hybridlm / peer ratios compare like
+with like. Peers: ``megatron-lm`` (Megatron-LM's pretrain_gpt.py on mock data with the same
+model and batch: benchmarks/megatron.py), ``torch`` and ``torch-compile`` (this model as a
+plain PyTorch module, eager or compiled) and ``hf-zero2`` (Hugging Face Llama under DeepSpeed
+ZeRO-2): hybridlm/training/baselines.py.
+
+Suites group cases (``--suite``). ``post-training`` has no case yet: SFT and DPO are being
+built (issue 21); its cases join here when they exist.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PEERS = ("megatron-lm", "torch", "torch-compile", "hf-zero2")
+ONE_GPU_PEERS = ("torch", "torch-compile", "hf-zero2")  # baselines.py runs on exactly one GPU
+TRAIN_FIGURES = ("tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak GiB", "per-step tokens/s")
+
+SUITES = {
+    "headline": "the README's table: the reference model (944M, d2048 L16, seq 2048) on one GPU, bf16 and FP8, beside the peers",
+    "variants": "the reference on one GPU with one setting changed (ZeRO stage, batch, attention kernel, TE, FP8 recipe, fused ops)",
+    "long-context": "longer sequences on one GPU (context parallelism's cases join when it lands)",
+    "moe": "Mixture-of-Experts: Mixtral-8x7B's layer shapes, on one GPU and under expert parallelism",
+    "scaling": "several GPUs: TP, PP, DP, ZeRO-3 and their products; loss curves of a layout against one GPU",
+    "memory": "the largest model one GPU trains, with and without CPU offload",
+    "kernels": "the fused kernels and attention backends against eager PyTorch and torch.compile",
+    "planner": "the memory planner's estimate against the measured peak",
+    "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
+    "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # what --cases takes
+    suite: str
+    label: str  # the configuration in words (the tables' layout column)
+    model: str = "reference"  # a preset of hybridlm/presets.py
+    flags: tuple[str, ...] = ()  # pretrain flags after the preset (they win)
+    gpus: int = 1  # GPUs the case needs (0: CPU only)
+    steps: int = 14  # timed steps
+    warmup: int = 6  # untimed steps before them
+    peers: tuple[str, ...] = ()  # run beside hybridlm, in this order
+    figures: tuple[str, ...] = TRAIN_FIGURES  # the columns the case fills in its suite's table
+    readme: bool = False  # a row of the README's headline table
+    expected_s: int = 150  # one run's usual wall time, start-up included: what --budget-s plans with
+    timeout_s: int = 360  # one run's limit
+    script: tuple[str, ...] = ()  # a helper's argv (it takes --record-file) instead of scripts/benchmark.py
+    launcher: str = "deepspeed"  # how a script starts: "deepspeed" (--num_gpus) or "python"
+    needs: tuple[str, ...] = ()  # what must be importable: "te" (Transformer Engine), "fa" (flash-attn-4)
+
+    @property
+    def ranks(self) -> int:
+        return max(self.gpus, 1)
+
+
+ZERO1 = ("--deepspeed_config", "ds_configs/zero1.json")
+BF16 = ("--bf16",) + ZERO1
+COMPILED = BF16 + ("--torch-compile", "--global-batch-size", "64", "--attention-backend", "cudnn")
+# the amax history and algorithm the FP8 figures were measured with (Megatron's defaults are 1 / most_recent)
+FP8 = BF16 + ("--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+              "--fp8-amax-compute-algo", "max", "--torch-compile",
+              "--global-batch-size", "64", "--attention-backend", "cudnn")
+L_FP8 = "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, cuDNN attention"
+MIXTRAL_2L = ("--num-layers", "2", "--global-batch-size", "16") + BF16
+SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
+PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval", "1", "--lr-warmup-iters", "0")
+PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
+
+
+def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference") -> Case:
+    return Case(name, "planner", label, model=model, gpus=gpus, figures=PLAN_FIGURES, expected_s=90, timeout_s=150,
+                script=("benchmarks/plan_check.py", "--label", label, "--", "--model", model) + PLAN + flags)
+
+
+CASES = (
+    # headline: what the README's table shows, with the peers
+    Case("ref-bf16", "headline", "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, cuDNN attention", flags=COMPILED,
+         peers=("megatron-lm", "torch-compile", "hf-zero2", "torch"), readme=True, expected_s=110),
+    Case("ref-fp8", "headline", f"{L_FP8}, --cuda-graphs, --gradient-accumulation-fusion",
+         flags=FP8 + ("--cuda-graphs", "--gradient-accumulation-fusion"), peers=("megatron-lm",), readme=True,
+         expected_s=130, needs=("te",)),
+    # variants of the reference on one GPU
+    Case("ref-fp8-nofusion", "variants", f"{L_FP8}, --cuda-graphs", flags=FP8 + ("--cuda-graphs",), readme=True,
+         expected_s=130, needs=("te",)),
+    Case("ref-fp8-nographs", "variants", L_FP8, flags=FP8, readme=True, expected_s=120, needs=("te",)),
+    Case("ref-fp8-mb8", "variants", L_FP8.replace("gbs 64", "mb 8, gbs 64"), flags=FP8 + ("--micro-batch-size", "8"),
+         readme=True, expected_s=120, needs=("te",)),
+    Case("ref-bf16-flash", "variants", "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, flash-attn-4",
+         flags=BF16 + ("--torch-compile", "--global-batch-size", "64", "--attention-backend", "flash"), readme=True,
+         needs=("fa",)),
+    Case("ref-bf16-zero0", "variants", "1 GPU, ZeRO-0, bf16, gbs 64, --torch-compile, cuDNN attention",
+         flags=COMPILED + ("--deepspeed_config", "ds_configs/zero0.json")),
+    Case("ref-bf16-eager", "variants", "1 GPU, ZeRO-1, bf16, gbs 64, eager, cuDNN attention",
+         flags=BF16 + ("--global-batch-size", "64", "--attention-backend", "cudnn")),
+    Case("ref-te-bf16", "variants", "1 GPU, ZeRO-1, gbs 64, TE linears bf16, --torch-compile, cuDNN attention",
+         flags=COMPILED + ("--transformer-impl", "transformer_engine"), needs=("te",)),
+    Case("ref-fp8-current", "variants", L_FP8.replace("hybrid delayed", "e4m3 current"),
+         flags=FP8 + ("--fp8-format", "e4m3", "--fp8-recipe", "current"), needs=("te",)),
+    Case("ref-fused-ops-all", "variants", "1 GPU, ZeRO-1, bf16, eager, --fused-ops all", flags=BF16 + ("--fused-ops", "all")),
+    Case("ref-fused-ops-none", "variants", "1 GPU, ZeRO-1, bf16, eager, --fused-ops none", flags=BF16 + ("--fused-ops", "none")),
+    # long context
+    Case("ref-seq8k", "long-context", "1 GPU, ZeRO-1, bf16, seq 8192, mb 1, gbs 16, --torch-compile, cuDNN attention",
+         flags=COMPILED + ("--seq-length", "8192", "--micro-batch-size", "1", "--global-batch-size", "16"),
+         peers=("megatron-lm",)),
+    # MoE
+    Case("moe-1gpu", "moe", "Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
+         flags=MIXTRAL_2L, peers=("megatron-lm",), timeout_s=300),
+    Case("mixtral-ep2", "moe", "EP=2, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
+         gpus=2, flags=MIXTRAL_2L + ("--expert-model-parallel-size", "2"), peers=("megatron-lm",)),
+    Case("moe-ep4-8gpu", "moe", "Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), EP=4 x DP=8, ZeRO-1, bf16, gbs 64",
+         gpus=8, steps=10, warmup=4, flags=("--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
+         "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "3584", "--num-experts", "8", "--moe-router-topk", "2",
+         "--moe-aux-loss-coeff", "0.02", "--micro-batch-size", "2", "--expert-model-parallel-size", "4",
+         "--global-batch-size", "64") + BF16, peers=("megatron-lm",)),
+    Case("curve-moe-8gpu", "moe", "the same Mixtral-style model, 200 steps at EP=4 x DP=8 against 1 GPU", gpus=8,
+         figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "moe", "--gpus", "8"),
+         expected_s=500, timeout_s=580),
+    Case("curve-moe-cpu", "moe", "tiny model with 8 experts top-2, 200 steps at EP=4 x DP=8 (8 gloo ranks) against 1 rank",
+         gpus=0, figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "moe"),
+         expected_s=900, timeout_s=1800),
+    # several GPUs
+    Case("ref-tp2", "scaling", "TP=2 SP, ZeRO-1, bf16", gpus=2, flags=BF16 + ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
+         peers=("megatron-lm",)),
+    Case("ref-pp2", "scaling", "PP=2, gbs 32 (8 micro-batches), ZeRO-1, bf16", gpus=2,
+         flags=BF16 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "32"), peers=("megatron-lm",)),
+    Case("ref-dp4", "scaling", "DP=4 ZeRO-1, bf16, gbs 128, --torch-compile", gpus=4,
+         flags=BF16 + ("--global-batch-size", "128", "--torch-compile"), peers=("megatron-lm",), readme=True),
+    Case("7b-tp2-dp2", "scaling", "TP=2 SP x DP=2, ZeRO-1, bf16, mb 2, gbs 16, --torch-compile", **SEVEN_B,
+         flags=BF16 + ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
+                       "--global-batch-size", "16", "--torch-compile"), peers=("megatron-lm",), readme=True),
+    Case("7b-pp2-dp2", "scaling", "PP=2 x DP=2, ZeRO-1, bf16, gbs 16, --torch-compile", **SEVEN_B,
+         flags=BF16 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--torch-compile"),
+         peers=("megatron-lm",), readme=True),
+    Case("7b-zero3-dp4", "scaling", "ZeRO-3 DP=4, bf16, mb 2, gbs 32", **SEVEN_B, readme=True,
+         flags=("--bf16", "--micro-batch-size", "2", "--global-batch-size", "32", "--deepspeed_config", "ds_configs/zero3.json")),
+    Case("1p3b-8gpu", "scaling", "reference block d2048 L24 (1.3B), TP=2 SP x PP=2 x DP=2, ZeRO-1, bf16, --torch-compile, gbs 64",
+         gpus=8, steps=10, warmup=4, flags=BF16 + ("--num-layers", "24", "--torch-compile", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"), peers=("megatron-lm",)),
+    Case("curve-dense-8gpu", "scaling", "the same 1.3B model, 200 steps at TP=2 SP x PP=2 x DP=2 against 1 GPU", gpus=8,
+         figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "dense", "--gpus", "8"),
+         expected_s=500, timeout_s=580),
+    Case("curve-dense-cpu", "scaling", "built-in tiny model, 200 steps at TP=2 SP x PP=2 x DP=2 (8 gloo ranks) against 1 rank",
+         gpus=0, figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "dense"),
+         expected_s=900, timeout_s=1800),
+    # the largest model on one GPU
+    Case("7b-nooffload-L30", "memory", "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, 30 of 32 layers",
+         model="llama2-7b", steps=3, warmup=1, flags=("--num-layers", "30", "--seq-length", "2048", "--bf16",
+         "--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full",
+         "--deepspeed_config", "ds_configs/zero2.json"), expected_s=200),
+    Case("13b-offload", "memory", "1 GPU, ZeRO-3 + CPU offload (params and optimizer), full recompute, seq 2048, mb 1",
+         model="llama2-13b", steps=2, warmup=1, flags=("--seq-length", "2048", "--bf16", "--micro-batch-size", "1",
+         "--global-batch-size", "1", "--recompute-granularity", "full", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json"),
+         expected_s=500, timeout_s=580),
+    # kernels
+    Case("kernels", "kernels", "rmsnorm, rope, swiglu at the reference's shapes, bf16: eager, torch.compile, fused",
+         figures=("fwd", "fwd+bwd"), launcher="python", script=("benchmarks/kernels.py",), expected_s=120),
+    Case("attention", "kernels", "causal attention B4 H16 S4096 D128 bf16, fwd+bwd, each installed backend",
+         figures=("TFLOP/s",), launcher="python",
+         script=("benchmarks/attention.py", "--batch", "4", "--heads", "16", "--seq", "4096", "--head-dim", "128"), expected_s=60),
+    # the planner against measured peaks
+    _plan("plan-ref-zero0", 1, "1 GPU, ZeRO-0", "--deepspeed_config", "ds_configs/zero0.json"),
+    _plan("plan-ref-tp2", 2, "TP=2 SP, ZeRO-1", "--tensor-model-parallel-size", "2", "--sequence-parallel", *ZERO1),
+    _plan("plan-ref-pp2", 2, "PP=2, gbs 32 (8 micro-batches), ZeRO-1", "--pipeline-model-parallel-size", "2",
+          "--global-batch-size", "32", *ZERO1),
+    _plan("plan-ref-zero3", 2, "DP=2, ZeRO-3", "--deepspeed_config", "ds_configs/zero3.json"),
+    _plan("plan-7b-zero1", 1, "llama2-7b shape, 4 of 32 layers, 1 GPU, ZeRO-1", "--num-layers", "4", *ZERO1, model="llama2-7b"),
+    _plan("plan-7b-tp2-full", 2, "llama2-7b shape, 4 of 32 layers, TP=2 SP, full recompute, ZeRO-1", "--num-layers", "4",
+          "--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full", *ZERO1, model="llama2-7b"),
+    # data
+    Case("preprocess", "data", "byte-level BPE 32k on a 220 MB JSONL corpus: bare encoder, preprocess_data.py --workers 1 and 2",
+         gpus=0, figures=("MB/s", "M tokens/s", "of bare encode_batch", "peak RSS"), launcher="python",
+         script=("benchmarks/preprocess_bench.py", "--size-mb", "220"), peers=("megatron-lm",), expected_s=400, timeout_s=580),
+    # the test suite's check of the runner
+    Case("cpu-tiny", "cpu", "built-in tiny model, 1 rank, ZeRO-0, fp32", model="tiny", gpus=0, steps=2, warmup=1,
+         flags=("--deepspeed_config", "ds_configs/zero0.json"), expected_s=30, timeout_s=240),
+)
+
+BY_NAME = {case.name: case for case in CASES}
+
+
+def select(suite: str | None = None, names: str | None = None) -> list[Case]:
+    """The cases of a suite, or named ones (comma list), in declaration order; ValueError names what is unknown."""
+    if names:
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in BY_NAME]
+        if unknown:
+            raise ValueError(f"--cases: no case named {unknown[0]!r} (python -m benchmarks list shows them).")
+        return [BY_NAME[n] for n in wanted]
+    if suite not in SUITES:
+        raise ValueError(f"--suite {suite!r}: the suites are {', '.join(SUITES)}.")
+    return [case for case in CASES if case.suite == suite]

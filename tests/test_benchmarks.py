@@ -1,0 +1,179 @@
+"""The benchmark suite (python -m benchmarks): cases as data, one runner, records that render
+RESULTS.md, the README's headline table and the plot."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+from benchmarks import megatron, records, render, runner
+from benchmarks.cases import BY_NAME, CASES, ONE_GPU_PEERS, PEERS, SUITES, Case
+from hybridlm.config import parse_args
+from hybridlm.training.metrics import flops_per_token
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_cpu_case_runs_through_the_runner_into_a_record_and_a_table_row(tmp_path):
+    """Two steps of the built-in tiny model through `python -m benchmarks run`: the launcher, scripts/benchmark.py,
+    the record it writes and the suite's table rendered from it."""
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--cases", "cpu-tiny", "--out", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=240, env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1].startswith("cpu-tiny ")  # the table comes last
+    (record,) = records.read(str(out / "records.jsonl"))
+    assert record["status"] == "ok" and record["case"] == "cpu-tiny" and record["system"] == "hybridlm"
+    for key in ("call", "date", "device", "commit", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib"):
+        assert key in record, key
+    assert len(record["step_tokens_per_sec_per_gpu"]) == 2 and record["tokens_per_sec_per_gpu"] > 0
+    assert record["command"].startswith("deepspeed --num_gpus 1 scripts/benchmark.py --model tiny --steps 2 --warmup 1")
+    assert record["flops_per_token"] == pytest.approx(flops_per_token(records.model_config(record["model_args"])))
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "logs/cpu-tiny.hybridlm.log" in tar.getnames()
+    table = "\n".join(render.suite_markdown("cpu", [record]))
+    assert f"| {record['tokens_per_sec_per_gpu']:,.0f} |" in table and f"- c1: `{record['command']}`" in table
+
+
+def test_readme_and_results_are_what_the_records_render():
+    stale = render.stale(records.load_all())
+    assert not stale, f"{stale} differ from what benchmarks/records/ renders: run python -m benchmarks render"
+
+
+def test_the_plot_draws_each_readme_case_beside_its_peers(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e '.[bench]')")
+    stored = records.load_all()
+    bars = render.plot(stored, str(tmp_path / "plot.png"))
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [(name, system) for name, system, _, _ in bars] == [(n, s) for n, s, _, _ in render.headline_rows(stored)]
+    assert ("ref-bf16", "torch-compile") in [(n, s) for n, s, _, _ in bars]
+
+
+def _timed(call, system, tps, case="ref-bf16", **extra):
+    return {"call": call, "case": case, "system": system, "date": "2026-11-30", "status": "ok",
+            "tokens_per_sec_per_gpu": tps, "command": f"cmd {call}", **extra}
+
+
+def test_a_ratio_comes_from_the_same_call_or_says_it_does_not():
+    stored = [_timed("a", "hybridlm", 120.0), _timed("a", "megatron-lm", 100.0), _timed("b", "torch", 60.0)]
+    assert render.ratio(stored[1], stored) == "1.20x"
+    assert render.ratio(stored[2], stored) == "2.00x (different calls: hybridlm's of 2026-11-30)"
+    assert render.ratio(stored[0], stored) == ""
+
+
+def test_figures_are_rederived_by_the_current_rule_and_say_which_rule():
+    args = ["--model", "reference", "--bf16"]
+    per_token = flops_per_token(records.model_config(args))
+    measured = records.throughput({"tokens_per_sec_per_gpu": 1e5, "model_args": args, "peak_tflops": 989.0,
+                                   "flops_per_token": per_token})
+    assert measured.rule == "current" and measured.tflops_per_gpu == pytest.approx(1e5 * per_token / 1e12)
+    old = records.throughput({"tokens_per_sec_per_gpu": 1e5, "model_args": args, "peak_tflops": 989.0,
+                              "tflops_per_gpu": 1.0, "mfu": 0.001, "mfu_rule": "old rule"})
+    assert old.rule == "re-derived (new rule)" and old.mfu == pytest.approx(1e5 * per_token / 1e12 / 989.0)
+    unknown = records.throughput({"tokens_per_sec_per_gpu": 1e5, "tflops_per_gpu": 1.0, "mfu": 0.001, "mfu_rule": "old rule"})
+    assert unknown == records.Throughput(1e5, 1.0, 0.001, "old rule")
+
+
+def test_every_case_is_well_formed_and_its_flags_validate():
+    assert len(BY_NAME) == len(CASES)
+    for case in CASES:
+        assert case.suite in SUITES and set(case.peers) <= set(PEERS), case.name
+        assert case.gpus == 1 or not set(case.peers) & set(ONE_GPU_PEERS), f"{case.name}: baselines.py runs on one GPU"
+        if case.script:
+            assert os.path.exists(os.path.join(ROOT, case.script[0])), case.script[0]
+        else:
+            runner.run_config(case)  # raises ConfigError on a bad flag or layout
+    assert {c.suite for c in CASES} >= set(SUITES) - {"post-training"}
+
+
+def test_megatron_gets_the_cases_model_batch_and_its_best_flags():
+    args = megatron.megatron_args(runner.run_config(BY_NAME["ref-bf16"]), iters=20)
+    value = {flag: args[i + 1] for i, flag in enumerate(args[:-1]) if flag.startswith("--") and not args[i + 1].startswith("--")}
+    ref = parse_args(["--model", "reference"]).model
+    assert {k: value[k] for k in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--seq-length",
+                                  "--vocab-size", "--micro-batch-size", "--global-batch-size", "--normalization")} == {
+        "--num-layers": str(ref.num_layers), "--hidden-size": str(ref.hidden_size), "--num-attention-heads": str(ref.num_attention_heads),
+        "--ffn-hidden-size": str(ref.ffn_hidden_size), "--seq-length": str(ref.seq_length), "--vocab-size": str(ref.vocab_size),
+        "--micro-batch-size": "4", "--global-batch-size": "64", "--normalization": ref.normalization}
+    assert {"--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--mock-data",
+            "--use-distributed-optimizer", "--cross-entropy-loss-fusion"} <= set(args)
+    assert value["--transformer-impl"] == "transformer_engine" and value["--attention-backend"] == "fused"  # cuDNN through TE
+    assert "--fp8-format" not in args and "--cuda-graph-impl" not in args
+    fp8 = megatron.megatron_args(runner.run_config(BY_NAME["ref-fp8"]), iters=20)
+    assert fp8[fp8.index("--fp8-format") + 1] == "hybrid" and fp8[fp8.index("--cuda-graph-impl") + 1] == "transformer_engine"
+
+
+def test_megatron_log_gives_median_tokens_per_second_after_the_warmup():
+    line = (" [2026-11-30 10:00:0{i}.000000] iteration        {i}/      5 | consumed samples:          {s} | "
+            "elapsed time per iteration (ms): {ms:.1f} | throughput per GPU (TFLOP/s/GPU): {tf:.1f} | learning rate: 1.0E-04 |"
+            " global batch size:    64 | lm loss: 1.050000E+01 | loss scale: 1.0 | grad norm: 1.000 |")
+    log = "\n".join(line.format(i=i, s=64 * i, ms=ms, tf=tf) for i, ms, tf in
+                    [(1, 9000.0, 1.0), (2, 1000.0, 700.0), (3, 1100.0, 650.0), (4, 1000.0, 700.0), (5, 1200.0, 600.0)])
+    log += f"\n{megatron.PEAK_LINE} 25.500\n{megatron.DEVICE_LINE} 989.0\n"
+    got = megatron.parse_log(log, tokens_per_iteration=64 * 2048, world=1, warmup=1)
+    assert got["step_tokens_per_sec_per_gpu"] == pytest.approx([131072.0, 131072 / 1.1, 131072.0, 131072 / 1.2])
+    assert got["tokens_per_sec_per_gpu"] == pytest.approx((131072.0 + 131072 / 1.1) / 2)
+    assert got["peer_reported_tflops_per_gpu"] == 675.0 and got["peak_memory_gib"] == 25.5 and got["final_loss"] == 10.5
+    assert got["peak_tflops"] == 989.0
+    with pytest.raises(ValueError, match="no iteration after the first 5"):
+        megatron.parse_log(log, tokens_per_iteration=1, world=1, warmup=5)
+
+
+def test_a_call_over_its_budget_leaves_the_rest_for_a_second_call(tmp_path, capsys):
+    call = runner.Call(out=str(tmp_path), budget_s=1, commit="test")
+    assert runner.run([BY_NAME["cpu-tiny"]], call) == []
+    out = capsys.readouterr().out
+    assert "cpu-tiny / hybridlm: the call's budget" in out
+    assert out.strip().splitlines()[-1] == "  the rest: python -m benchmarks run --cases cpu-tiny --systems hybridlm --out $OUT"
+
+
+def test_cases_this_machine_cannot_run_are_named_not_failed(tmp_path):
+    call = runner.Call(out=str(tmp_path), commit="test")
+    wide = Case("wide", "scaling", "x", gpus=8, peers=("megatron-lm",))
+    assert runner.plan([wide], None, call) == []
+    assert [(c, s) for c, s, _ in call.not_run] == [("wide", "hybridlm"), ("wide", "megatron-lm")]
+
+
+SMALL = ("--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "704",
+         "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "4", "--vocab-size", "1024", "--bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("system", ["hybridlm", "torch-compile", "hf-zero2"])
+def test_hybridlm_and_each_baseline_write_their_record_on_one_gpu(tmp_path, system):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    case = Case("gpu-small", "cpu", "d256 L2, bf16", flags=SMALL, steps=3, warmup=2)
+    (record,) = runner.run_one(case, system, runner.Call(out=str(tmp_path), commit="test"))
+    assert record["status"] == "ok", record.get("error")
+    assert record["system"] == system and len(record["step_tokens_per_sec_per_gpu"]) == 3 and record["peak_memory_gib"] > 0
+    assert records.throughput(record).rule == "current"
+
+
+@pytest.mark.gpu
+def test_megatron_peer_runs_a_small_model_from_the_staged_source(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    src = megatron.source_dir(None)
+    if src is None:
+        pytest.skip("no Megatron-LM source: benchmarks/stage.sh stages it into .device/megatron")
+    case = Case("megatron-small", "cpu", "d256 L2, bf16", flags=SMALL, steps=3, warmup=2, peers=("megatron-lm",))
+    call = runner.Call(out=str(tmp_path), commit="test", megatron_src=src)
+    (record,) = runner.run_one(case, "megatron-lm", call)
+    assert record["status"] == "ok", record.get("error")
+    assert len(record["step_tokens_per_sec_per_gpu"]) == 3 and record["peak_memory_gib"] > 0
+    assert json.loads(json.dumps(record)) == record
+
+
+def test_a_call_runs_hybridlm_and_megatron_of_every_case_before_the_other_peers(tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "device_count", lambda: 1)
+    monkeypatch.setattr(runner, "missing", lambda case, gpus: None)
+    call = runner.Call(out=str(tmp_path), commit="test", megatron_src=str(tmp_path))
+    order = [(case.name, system) for case, system in runner.plan([BY_NAME["ref-bf16"], BY_NAME["ref-fp8"]], None, call)]
+    assert order == [("ref-bf16", "hybridlm"), ("ref-bf16", "megatron-lm"), ("ref-fp8", "hybridlm"), ("ref-fp8", "megatron-lm"),
+                     ("ref-bf16", "torch-compile"), ("ref-bf16", "hf-zero2"), ("ref-bf16", "torch")]
