@@ -14,7 +14,7 @@ from ..presets import MODELS
 from .fields import ConfigError
 from .model import ModelConfig
 from .run import SECTIONS, RunConfig
-from .sections import DataConfig, ParallelConfig, TrainConfig
+from .sections import DataConfig, FinetuneConfig, ParallelConfig, TrainConfig
 
 
 def _cli_fields():
@@ -61,14 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
-    """Flags (over ``--config`` YAML) -> RunConfig. Unknown or malformed flags end in argparse's
-    one-line error (exit 2); a bad YAML file in a ConfigError naming it."""
+def parse_args(argv: Optional[list[str]] = None, base: Optional[dict] = None) -> RunConfig:
+    """Flags (over ``--config`` YAML, over ``base`` settings) -> RunConfig. Unknown or malformed flags
+    end in argparse's one-line error (exit 2); a bad YAML file in a ConfigError naming it."""
     ns = vars(build_parser().parse_args(argv))
     ns.pop("local_rank", None)
     ns.pop("deepspeed", None)
     path = ns.pop("config", None)
-    values = load_yaml(path) if path else {}
+    values = dict(base or {})
+    values.update(load_yaml(path) if path else {})
     values.update(ns)
     if values.get("model") is not None:  # the preset under the run file under the flags
         values = {**_preset_values(values["model"]), **values}
@@ -142,7 +143,8 @@ def config_from_dict(values: dict) -> RunConfig:
             raise ConfigError(f"unknown setting '{k}'.")
         by_section[known[k]][k] = v
     return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
-                     train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]), explicit=frozenset(values))
+                     train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]),
+                     finetune=FinetuneConfig(**by_section["finetune"]), explicit=frozenset(values))
 
 
 def world_size_from_env() -> int:

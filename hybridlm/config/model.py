@@ -59,6 +59,7 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = flag(None, "Width of a shared expert every token also goes through (default: none).")
     moe_grouped_gemm: bool = flag(True, "Compute the experts as one grouped GEMM (torch.nn.functional.grouped_mm) where torch offers it; else a loop over experts.")
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
+    packed_samples: bool = flag(False, "Derived from --packing: rows hold several samples that attention must keep apart.", cli=False)
 
     def __post_init__(self):
         if self.num_query_groups is None:
