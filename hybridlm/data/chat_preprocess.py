@@ -217,7 +217,7 @@ def preprocess_chat(inputs: Sequence[str], output_prefix: str, tokenizer_model: 
     stats.manifest = {
         "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "kind": stats.kind,
         "tokenizer": {"path": os.path.abspath(tokenizer_model), "sha256": encoding_sha256(tokenizer_model)},
-        "template": {"source": template.source, "sha256": template.sha256},
+        "template": {"source": template.source, "sha256": template.sha256, "text": template.text},
         "seq_length": seq_length, "train_on": train_on, "inputs": [os.path.abspath(p) for p in paths],
         "samples": stats.samples, "documents": stats.documents, "tokens": stats.tokens, "loss_tokens": stats.loss_tokens,
         "dropped_no_loss_tokens": stats.dropped, "truncated": stats.truncated,

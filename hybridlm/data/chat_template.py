@@ -195,3 +195,22 @@ def token_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, in
     for begin, end in spans:
         mask[(starts >= begin) & (starts < end)] = 1
     return mask
+
+
+def end_of_turn_id(template: ChatTemplate, tok) -> Optional[int]:
+    """The special token that ends an assistant reply under ``template`` (``tok``: a
+    ``tokenizers.Tokenizer``): the first special token after the reply in a rendered exchange,
+    e.g. ChatML's <|im_end|> or Llama 3's <|eot_id|>. None when the reply ends in plain text."""
+    reply = "ok"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}]
+    try:
+        full, [(start, end)] = assistant_spans(template, messages, [1])
+    except TemplateError:
+        return None
+    after = full.find(reply, start) + len(reply)
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    encoding = tok.encode(full, add_special_tokens=False)
+    for token, (begin, _) in zip(encoding.ids, encoding.offsets):
+        if after <= begin < end and token in special:
+            return token
+    return None

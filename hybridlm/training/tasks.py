@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig
 from ..data.builtin import builtin_prefix
 from ..data.chat_dataset import ChatData, DPOPairs, SFTRows, check_tokenizer
+from ..data.chat_template import TEMPLATE_FILE
 from ..data.gpt_dataset import build_gpt_datasets
 from ..data.tokenizers import build_tokenizer
 from ..parallel.tensor_parallel import IGNORE_INDEX
@@ -69,6 +70,10 @@ class PretrainTask:
     def describe(self) -> str:
         return ""
 
+    def checkpoint_files(self) -> dict:
+        """{name: text} saved in each checkpoint beside the weights."""
+        return {}
+
 
 class ChatTask(PretrainTask):
     """What SFT and DPO share: the chat data, its tokenizer check, the global counts."""
@@ -84,6 +89,11 @@ class ChatTask(PretrainTask):
             self.data = ChatData(str(d.data_path[0]).split()[0])
             check_tokenizer(self.data, d.tokenizer_model)
         return self.data
+
+    def checkpoint_files(self) -> dict:
+        """The chat template the data was rendered with: the export hands it on with the model."""
+        text = self.chat_data().manifest["template"].get("text")
+        return {TEMPLATE_FILE: text} if text else {}
 
     def pad_id(self) -> int:
         d = self.cfg.data

@@ -57,7 +57,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     ds = read_ds_config(cfg.train.deepspeed_config)
     adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
     d = cfg.data
-    if d.data_path is None and d.tokenizer_type != "ByteTokenizer":
+    if d.data_path is None and d.tokenizer_type != "ByteTokenizer" and cfg.finetune.task == "pretrain":
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path: the built-in corpus is stored as bytes.")
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
     if cfg.model.vocab_size is None:
@@ -287,7 +287,7 @@ def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
                     client_state={"consumed_samples": run.iteration * t.global_batch_size,
-                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps)
+                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps, text_files=run.task.checkpoint_files())
 
 
 def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
