@@ -79,15 +79,15 @@ def preference_data(directory, tokenizer: str, count: int = 8, seed: int = 1) ->
     return prefix
 
 
-def finetune(flags: list[str], steps: int = 1, dpo_losses: tuple = (), mutate_packing: bool = False) -> dict:
+def finetune(flags: list[str], steps: int = 1, dpo_losses: tuple = (), mutate_packing: bool = False, save: bool = False) -> dict:
     """In each rank: (evaluate the first global batch under each (loss, label smoothing) of
-    ``dpo_losses``,) train ``steps`` steps; the losses, DPO values and live full weights."""
+    ``dpo_losses``,) train ``steps`` steps (and save); the losses, DPO values and live full weights."""
     import logging
 
     from deepspeed.utils import logger
 
     from hybridlm.training.finetune import parse_finetune_args
-    from hybridlm.training.trainer import build_run, data_iterator, evaluate, prepare_config, train_step
+    from hybridlm.training.trainer import build_run, data_iterator, evaluate, prepare_config, save_checkpoint, train_step
     from interop_runs import _live_state
 
     logger.setLevel(logging.WARNING)
@@ -105,6 +105,9 @@ def finetune(flags: list[str], steps: int = 1, dpo_losses: tuple = (), mutate_pa
     batches = data_iterator(run)
     result["losses"] = [train_step(run, batches).item() for _ in range(steps)]
     result["weights"] = _live_state(run, False)["weight"]
+    result["reference"] = getattr(run.task, "reference_tag", None)
+    if save:
+        save_checkpoint(run)
     return result
 
 

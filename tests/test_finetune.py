@@ -120,11 +120,11 @@ def preference(tmp_path_factory):
     return policy, imported(policy, root / "policy"), reference, imported(reference, root / "reference"), os.path.dirname(data)
 
 
-def dpo_flags(preference, data_dir: str, layout: str, *, reference: bool = True) -> tuple[int, list[str]]:
+def dpo_flags(preference, data_dir: str, layout: str, *, reference: bool = True, iters: int = 1) -> tuple[int, list[str]]:
     _, policy_ckpt, _, ref_ckpt, _ = preference
     world, flags, mb = LAYOUTS[layout]
     argv = ["--task", "dpo", "--load", policy_ckpt, "--data-path", os.path.join(data_dir, "pref"), "--seq-length", str(DPO_SEQ),
-            "--micro-batch-size", str(mb), "--global-batch-size", str(GLOBAL), "--train-iters", "1", "--dpo-beta", str(BETA)]
+            "--micro-batch-size", str(mb), "--global-batch-size", str(GLOBAL), "--train-iters", str(iters), "--dpo-beta", str(BETA)]
     return world, argv + (["--ref-load", ref_ckpt] if reference else []) + OPTIM + flags
 
 
@@ -188,3 +188,19 @@ def test_dpo_with_the_policy_as_reference_gives_ln2(preference, tmp_path):
     assert abs(got["losses"][0] - math.log(2)) < 1e-6
     values = got["dpo"][("sigmoid", 0.1)]
     assert abs(values["loss"] - math.log(2)) < 1e-6 and abs(values["rewards/margins"]) < 1e-6
+
+
+def test_a_resumed_dpo_run_keeps_its_reference(preference, tmp_path):
+    # Resumed, --load names the policy's own checkpoint: the reference must stay the one the run began with.
+    data = shutil.copytree(preference[4], tmp_path / "data")
+    world, flags = dpo_flags(preference, str(data), "dp2_zero3", iters=2)
+    straight = run_ranks(world, finetune, flags, 2)[0]
+    run_dir = str(tmp_path / "run")
+    first = run_ranks(world, finetune, flags + ["--save", run_dir], 1, (), False, True)[0]
+    ref_at = flags.index("--ref-load")
+    resumed_flags = flags[:ref_at] + flags[ref_at + 2:]
+    resumed_flags[resumed_flags.index("--load") + 1] = run_dir
+    resumed = run_ranks(world, finetune, resumed_flags, 1)[0]
+    assert resumed["reference"] == first["reference"] == straight["reference"]
+    assert abs(resumed["losses"][0] - straight["losses"][1]) <= 1e-6 * abs(straight["losses"][1])
+    assert len([f for f in os.listdir(data) if f.startswith("pref.reference-")]) == 1  # computed once, then read

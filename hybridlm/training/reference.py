@@ -31,6 +31,8 @@ from ..data.samples import micro_batches
 from ..interop.layout import resolve_tag_dir
 from .distributed import device
 
+REFERENCE_FILE = "dpo_reference.json"  # in each DPO checkpoint: which checkpoint its reference log-probs came from
+
 
 def _files_key(paths, root: str = "") -> list:
     return [(os.path.relpath(p, root) if root else os.path.basename(p), os.path.getsize(p), os.stat(p).st_mtime_ns)
@@ -46,11 +48,25 @@ def reference_key(cfg, tag_dir: str, prefix: str) -> str:
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def reference_checkpoint(cfg) -> tuple[str, str]:
+    """(the reference's checkpoint folder, how it was named): --ref-load; else the reference a resumed
+    DPO run started with (recorded in its checkpoints: its --load is now the policy's own); else --load."""
+    if cfg.finetune.ref_load:
+        return resolve_tag_dir(cfg.finetune.ref_load, "--ref-load"), f"--ref-load {cfg.finetune.ref_load}"
+    tag_dir = resolve_tag_dir(cfg.train.load, "--load")
+    recorded = os.path.join(tag_dir, REFERENCE_FILE)
+    if os.path.isfile(recorded):
+        with open(recorded) as f:
+            previous = json.load(f)["reference"]
+        return previous, f"the reference {previous} this run started with"
+    return tag_dir, f"--load {cfg.train.load}"
+
+
 def reference_logps(run, task) -> np.ndarray:
     """[pairs, 2] reference log-prob sums (chosen, rejected), read from the cache or computed (collective)."""
     cfg = run.cfg
-    source = cfg.finetune.ref_load or cfg.train.load
-    tag_dir = resolve_tag_dir(source, "--ref-load" if cfg.finetune.ref_load else "--load")
+    tag_dir, source = reference_checkpoint(cfg)
+    task.reference_tag = os.path.abspath(tag_dir)
     prefix = task.chat_data().prefix
     path = f"{prefix}.reference-{reference_key(cfg, tag_dir, prefix)}.npy"
     rank0 = dist.get_rank() == 0
@@ -76,7 +92,8 @@ def _load_weights(run, tag_dir: str) -> None:
     from ..interop.reshape import load_resharded
     weights_only = dataclasses.replace(run.cfg, train=dataclasses.replace(run.cfg.train, finetune=True))
     if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
-        raise ConfigError(f"--ref-load {tag_dir}: not a checkpoint hybridlm can read at any layout (no hybridlm_checkpoint.json).")
+        raise ConfigError(f"DPO reference {tag_dir}: not a checkpoint hybridlm can read at any layout (no hybridlm_checkpoint.json); "
+                          "name the reference model with --ref-load.")
     load_resharded(run.engine, run.ps, weights_only, tag_dir)
 
 

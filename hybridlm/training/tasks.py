@@ -15,6 +15,7 @@ whatever GAS, DP and micro-batch size.
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Iterator
 
 import numpy as np
@@ -158,6 +159,7 @@ class DPOTask(ChatTask):
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)
         self.reference = None  # [pairs, 2] float64 reference log-prob sums (None: --reference none)
+        self.reference_tag = None  # the checkpoint folder they came from
         self.dpo_loss = None
 
     def check(self) -> None:
@@ -180,6 +182,13 @@ class DPOTask(ChatTask):
         if self.cfg.finetune.reference == "precompute":
             from .reference import reference_logps
             self.reference = reference_logps(run, self)
+
+    def checkpoint_files(self) -> dict:
+        files = super().checkpoint_files()
+        if self.reference_tag:  # a resumed run keeps this reference, though its --load is then the policy
+            from .reference import REFERENCE_FILE
+            files[REFERENCE_FILE] = json.dumps({"reference": self.reference_tag}) + "\n"
+        return files
 
     def step_batches(self, run, batches: Iterator) -> Iterator:
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
@@ -216,7 +225,7 @@ class DPOTask(ChatTask):
         smoothing = f" label smoothing {f.dpo_label_smoothing}" if f.dpo_label_smoothing else ""
         rpo = f", RPO alpha {f.rpo_alpha}" if f.rpo_alpha else ""
         return (f"dpo on {self.pairs.num_pairs:,} pairs, {f.dpo_loss} loss{smoothing}, beta {f.dpo_beta}{rpo}, "
-                f"reference {'none' if f.reference == 'none' else f.ref_load or self.cfg.train.load}")
+                f"reference {'none' if f.reference == 'none' else self.reference_tag}")
 
 
 TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask}
