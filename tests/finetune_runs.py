@@ -25,6 +25,7 @@ OPTIM = ["--lr", "1e-3", "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--lr-dec
 LR, BETAS, EPS = 1e-3, (0.9, 0.95), 1e-8
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"] + ds_config("zero1")
 DP2_ZERO3 = ds_config("zero3")
+TP2 = ["--tensor-model-parallel-size", "2"] + ds_config("zero1")
 MODELS = {"qwen2": "chatml", "llama": "llama3"}  # HF family -> the chat template its tokenizer carries
 
 

@@ -20,11 +20,12 @@ import shutil
 import pytest
 import torch
 
-from finetune_runs import (BETAS, DP2_ZERO3, EPS, LR, MODELS, OPTIM, SEQ, TP2PP2, as_hf_names, finetune, hf_model,
+from finetune_runs import (BETAS, DP2_ZERO3, EPS, LR, MODELS, OPTIM, SEQ, TP2, TP2PP2, as_hf_names, finetune, hf_model,
                            hf_model_dir, imported, preference_data, sample_labels, sft_data, token_loss_sums)
 from harness import run_ranks
 
-LAYOUTS = {"tp2_pp2_zero1": (4, TP2PP2, 2), "dp2_zero3": (2, DP2_ZERO3, 1)}  # world, flags, micro-batch (8 rows: GAS 4)
+# world, flags, micro-batch (8 rows a step: GAS 4)
+LAYOUTS = {"tp2_pp2_zero1": (4, TP2PP2, 2), "dp2_zero3": (2, DP2_ZERO3, 1), "tp2": (2, TP2, 2)}
 GLOBAL = 8
 
 
@@ -42,29 +43,31 @@ def models(tmp_path_factory):
 _runs: dict = {}
 
 
-def sft_run(models, family: str, layout: str, micro_batch: int | None = None, mutate: bool = False) -> dict:
-    key = (family, layout, micro_batch, mutate)
+def sft_run(models, family: str, layout: str, micro_batch: int | None = None, mutate: bool = False, extra: tuple = (),
+            packing: bool = True) -> dict:
+    """rank 0's result of one SFT step of ``family`` at ``layout`` (+ ``extra`` flags), once per session."""
+    key = (family, layout, micro_batch, mutate, extra, packing)
     if key not in _runs:
         hf, ckpt, data = models[family]
         world, flags, mb = LAYOUTS[layout]
-        argv = ["--task", "sft", "--load", ckpt, "--data-path", data, "--packing", "--seq-length", str(SEQ),
-                "--micro-batch-size", str(micro_batch or mb), "--global-batch-size", str(GLOBAL), "--train-iters", "1"]
-        _runs[key] = run_ranks(world, finetune, argv + OPTIM + flags, 1, (), mutate)[0]
+        argv = ["--task", "sft", "--load", ckpt, "--data-path", data, "--seq-length", str(SEQ), "--micro-batch-size",
+                str(micro_batch or mb), "--global-batch-size", str(GLOBAL), "--train-iters", "1"] + (["--packing"] if packing else [])
+        _runs[key] = run_ranks(world, finetune, argv + OPTIM + flags + list(extra), 1, (), mutate)[0]
     return _runs[key]
 
 
-def first_global_batch(data: str) -> list[list[int]]:
+def first_global_batch(data: str, packing: bool = True) -> list[list[int]]:
     """The documents in each row of step 0 (the rows every layout reads)."""
     from hybridlm.data.chat_dataset import ChatData, SFTRows
-    rows = SFTRows(ChatData(data), SEQ, seed=11, pad=0, packing=True)
+    rows = SFTRows(ChatData(data), SEQ, seed=11, pad=0, packing=packing)
     return [rows.row(i) for i in range(GLOBAL)]
 
 
-def transformers_step(models, family: str) -> tuple[float, dict]:
+def transformers_step(models, family: str, packing: bool = True) -> tuple[float, dict]:
     """transformers' loss on the unpacked conversations of step 0, and its weights after one AdamW step."""
     hf, _, data = models[family]
     model = hf_model(hf)
-    docs = [d for row in first_global_batch(data) for d in row]
+    docs = [d for row in first_global_batch(data, packing) for d in row]
     sums, counts = token_loss_sums(model, data, docs)
     loss = sums.sum() / counts.sum()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
@@ -73,18 +76,31 @@ def transformers_step(models, family: str) -> tuple[float, dict]:
     return loss.item(), {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", list(MODELS))
-def test_packed_sft_step_matches_transformers_and_torch_adamw(models, family, layout):
-    assert min(len(row) for row in first_global_batch(models[family][2])) >= 3  # 3+ conversations per row
-    want_loss, want_weights = transformers_step(models, family)
-    got = sft_run(models, family, layout)
+def assert_step_matches(got: dict, want_loss: float, want_weights: dict, checkpoint: str) -> None:
     assert abs(got["losses"][0] - want_loss) <= 1e-5 * want_loss, (got["losses"][0], want_loss)
-    got_weights = as_hf_names(got["weights"], models[family][1])
+    got_weights = as_hf_names(got["weights"], checkpoint)
     assert set(got_weights) == set(want_weights)
     for name, want in want_weights.items():
         diff = (got_weights[name] - want).abs().max().item()
         assert diff < 1e-4, f"{name}: max |difference| {diff:.2e} after one step"
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp2_zero1", "dp2_zero3"])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_packed_sft_step_matches_transformers_and_torch_adamw(models, family, layout):
+    assert min(len(row) for row in first_global_batch(models[family][2])) >= 3  # 3+ conversations per row
+    assert_step_matches(sft_run(models, family, layout), *transformers_step(models, family), models[family][1])
+
+
+@pytest.mark.parametrize("extra, packing", [
+    pytest.param(("--sequence-parallel",), False, id="unpacked_tp2_sp"),
+    pytest.param(("--recompute-granularity", "full"), True, id="packed_tp2_full_recompute_partitioned"),
+])
+def test_sft_under_sequence_parallelism_and_recompute_matches_transformers(models, extra, packing):
+    # TP=2 on two ranks. Unpacked rows end in padding; under full recompute the position ids go through
+    # DeepSpeed's activation checkpointing (activations partitioned over TP) as an integer argument.
+    got = sft_run(models, "llama", "tp2", extra=extra, packing=packing)
+    assert_step_matches(got, *transformers_step(models, "llama", packing), models["llama"][1])
 
 
 def test_four_accumulation_steps_equal_one(models):
@@ -159,7 +175,7 @@ def transformers_logps(hf_dir: str, prefix: str, pairs: list[int]) -> tuple[torc
     return out[0], out[2], out[1], out[3]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["tp2_pp2_zero1", "dp2_zero3"])
 def test_dpo_losses_and_metrics_equal_the_pinned_formulas(preference, tmp_path, layout):
     from hybridlm.data.chat_dataset import ChatData, DPOPairs
     policy_hf, _, reference_hf, _, data_dir = preference
