@@ -160,6 +160,7 @@ class DPOTask(ChatTask):
         super().__init__(cfg)
         self.reference = None  # [pairs, 2] float64 reference log-prob sums (None: --reference none)
         self.reference_tag = None  # the checkpoint folder they came from
+        self.reference_seconds = None  # how long computing them took (None: read from the cache or not needed)
         self.dpo_loss = None
 
     def check(self) -> None:
