@@ -17,6 +17,7 @@ setup(
         "zstandard",  # .jsonl.zst input to preprocess_data
         "pyyaml",
         "safetensors",
+        "jinja2>=3.1.6",  # chat templates (preprocess_chat); the sandbox fixes of 3.1.6, as transformers requires
     ],
     extras_require={
         "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
