@@ -14,7 +14,7 @@ from ..presets import MODELS
 from .fields import ConfigError
 from .model import ModelConfig
 from .run import SECTIONS, RunConfig
-from .sections import DataConfig, FinetuneConfig, ParallelConfig, TrainConfig
+from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 
 def _cli_fields():
@@ -144,7 +144,7 @@ def config_from_dict(values: dict) -> RunConfig:
         by_section[known[k]][k] = v
     return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
                      train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]),
-                     finetune=FinetuneConfig(**by_section["finetune"]), explicit=frozenset(values))
+                     posttrain=PostTrainConfig(**by_section["posttrain"]), explicit=frozenset(values))
 
 
 def world_size_from_env() -> int:

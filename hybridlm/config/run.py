@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from .fields import ConfigError, refuse_first
 from .model import ModelConfig
-from .sections import DataConfig, FinetuneConfig, ParallelConfig, TrainConfig
+from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 @dataclass
 class RunConfig:
@@ -18,7 +18,7 @@ class RunConfig:
     parallel: ParallelConfig
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
-    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    posttrain: PostTrainConfig = field(default_factory=PostTrainConfig)
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
 
     @property
@@ -100,21 +100,21 @@ class RunConfig:
             raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:
             raise ConfigError("--exit-signal-handler needs --save: the checkpoint it writes on the signal has to go somewhere.")
-        self._check_finetune()
+        self._check_posttrain()
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         return self
 
-    def _check_finetune(self) -> None:
+    def _check_posttrain(self) -> None:
         """--task and its settings (the data files themselves are checked when the task reads them)."""
-        f, t, d = self.finetune, self.train, self.data
+        f, t, d = self.posttrain, self.train, self.data
         self.model.packed_samples = f.packing
         if f.packing and f.task != "sft":
             raise ConfigError(f"--packing needs --task sft (this run is --task {f.task}).")
         if f.packing and self.model.cuda_graphs:
             raise ConfigError("--packing cannot be combined with --cuda-graphs: a captured layer takes the activations alone, "
                               "not the position ids that keep packed samples apart.")
-        defaults = FinetuneConfig()
+        defaults = PostTrainConfig()
         dpo_only = [n for n in ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "reference", "ref_load", "rpo_alpha")
                     if getattr(f, n) != getattr(defaults, n)]
         if f.task != "dpo" and dpo_only:
@@ -183,4 +183,4 @@ class RunConfig:
 
 
 SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig),
-            ("finetune", FinetuneConfig))
+            ("posttrain", PostTrainConfig))

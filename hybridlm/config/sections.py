@@ -85,9 +85,8 @@ class DataConfig:
     data_cache_path: Optional[str] = flag(None, "Folder for the sample-index caches (default: index-cache/ beside each prefix).")
 
 
-
 @dataclass
-class FinetuneConfig:
+class PostTrainConfig:
     """Post-training (scripts/finetune.py): which objective, and its settings."""
 
     task: str = flag("pretrain", "What the loop trains: next-token prediction on every token (pretrain), on the replies of chat data (sft), or preference pairs (dpo); data for sft and dpo comes from scripts/preprocess_chat.py.",

@@ -37,7 +37,7 @@ def parse_finetune_args(argv: Optional[list[str]] = None) -> RunConfig:
     """Flags (over ``--config``, over the ``--load`` checkpoint's model and tokenizer) -> RunConfig."""
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
-    if cfg.finetune.task == "pretrain":
+    if cfg.posttrain.task == "pretrain":
         raise ConfigError("scripts/finetune.py needs --task sft or --task dpo (scripts/pretrain.py pretrains).")
     load = cfg.train.load
     if not load:

@@ -51,8 +51,8 @@ def reference_key(cfg, tag_dir: str, prefix: str) -> str:
 def reference_checkpoint(cfg) -> tuple[str, str]:
     """(the reference's checkpoint folder, how it was named): --ref-load; else the reference a resumed
     DPO run started with (recorded in its checkpoints: its --load is now the policy's own); else --load."""
-    if cfg.finetune.ref_load:
-        return resolve_tag_dir(cfg.finetune.ref_load, "--ref-load"), f"--ref-load {cfg.finetune.ref_load}"
+    if cfg.posttrain.ref_load:
+        return resolve_tag_dir(cfg.posttrain.ref_load, "--ref-load"), f"--ref-load {cfg.posttrain.ref_load}"
     tag_dir = resolve_tag_dir(cfg.train.load, "--load")
     recorded = os.path.join(tag_dir, REFERENCE_FILE)
     if os.path.isfile(recorded):

@@ -133,7 +133,7 @@ class SFTTask(ChatTask):
         return MaskedLMLoss(plan, self.cfg.model.vocab_size)
 
     def datasets(self) -> tuple:
-        rows = SFTRows(self.chat_data(), self.cfg.model.seq_length, self.cfg.train.seed, self.pad_id(), self.cfg.finetune.packing)
+        rows = SFTRows(self.chat_data(), self.cfg.model.seq_length, self.cfg.train.seed, self.pad_id(), self.cfg.posttrain.packing)
         self.truncated = rows.truncated
         return rows, None
 
@@ -147,7 +147,7 @@ class SFTTask(ChatTask):
         return iter([(inputs, (labels, scale)) for inputs, labels in micro])
 
     def describe(self) -> str:
-        packing = "packed rows" if self.cfg.finetune.packing else "one conversation per row"
+        packing = "packed rows" if self.cfg.posttrain.packing else "one conversation per row"
         return (f"sft on {self.data.manifest['samples']:,} conversations, {packing}, loss per reply token over the global batch"
                 + (f"; {self.truncated} longer than --seq-length + 1 keep their start" if self.truncated else ""))
 
@@ -170,7 +170,7 @@ class DPOTask(ChatTask):
         DPOPairs(data, self.cfg.model.seq_length, self.cfg.train.seed, 0)  # refuses prompts that leave no room
 
     def loss(self, plan):
-        f = self.cfg.finetune
+        f = self.cfg.posttrain
         self.dpo_loss = DPOLoss(plan, self.cfg.model.vocab_size, beta=f.dpo_beta, kind=f.dpo_loss,
                                 smoothing=f.dpo_label_smoothing, rpo_alpha=f.rpo_alpha)
         return self.dpo_loss
@@ -180,7 +180,7 @@ class DPOTask(ChatTask):
         return self.pairs, None
 
     def prepare(self, run) -> None:
-        if self.cfg.finetune.reference == "precompute":
+        if self.cfg.posttrain.reference == "precompute":
             from .reference import reference_logps
             self.reference = reference_logps(run, self)
 
@@ -222,7 +222,7 @@ class DPOTask(ChatTask):
         return values
 
     def describe(self) -> str:
-        f = self.cfg.finetune
+        f = self.cfg.posttrain
         smoothing = f" label smoothing {f.dpo_label_smoothing}" if f.dpo_label_smoothing else ""
         rpo = f", RPO alpha {f.rpo_alpha}" if f.rpo_alpha else ""
         return (f"dpo on {self.pairs.num_pairs:,} pairs, {f.dpo_loss} loss{smoothing}, beta {f.dpo_beta}{rpo}, "
@@ -233,5 +233,5 @@ TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask}
 
 
 def build_task(cfg: RunConfig) -> PretrainTask:
-    return TASKS[cfg.finetune.task](cfg)
+    return TASKS[cfg.posttrain.task](cfg)
 

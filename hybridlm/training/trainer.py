@@ -57,7 +57,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     ds = read_ds_config(cfg.train.deepspeed_config)
     adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
     d = cfg.data
-    if d.data_path is None and d.tokenizer_type != "ByteTokenizer" and cfg.finetune.task == "pretrain":
+    if d.data_path is None and d.tokenizer_type != "ByteTokenizer" and cfg.posttrain.task == "pretrain":
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path: the built-in corpus is stored as bytes.")
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
     if cfg.model.vocab_size is None:
