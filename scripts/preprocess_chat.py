@@ -9,13 +9,12 @@ writes <prefix>.bin/.idx, <prefix>_mask.bin/.idx and <prefix>.manifest.json; tra
 """
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybridlm.config import ConfigError  # noqa: E402
 from hybridlm.data.chat_preprocess import TRAIN_ON, preprocess_chat  # noqa: E402
+from hybridlm.data.preprocess import run_script  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,25 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: temporaries removed, nothing renamed
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        stats = preprocess_chat(args.input, args.output_prefix, args.tokenizer_model, chat_template=args.chat_template,
-                                seq_length=args.seq_length, train_on=args.train_on, workers=args.workers,
-                                chunk_bytes=max(1, int(args.chunk_mb * 2**20)), progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: no output was written.", file=sys.stderr)
-        return 130
-    print(stats.summary())
-    return 0
+    code, stats = run_script(lambda: preprocess_chat(
+        args.input, args.output_prefix, args.tokenizer_model, chat_template=args.chat_template, seq_length=args.seq_length,
+        train_on=args.train_on, workers=args.workers, chunk_bytes=max(1, int(args.chunk_mb * 2**20)), progress=not args.no_progress))
+    if stats is not None:
+        print(stats.summary())
+    return code
 
 
 if __name__ == "__main__":

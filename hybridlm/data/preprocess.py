@@ -417,3 +417,24 @@ def train_tokenizer(inputs: Sequence[str], output: str, *, vocab_size: int = 320
     tok = train_byte_level_bpe(texts, vocab_size, min_frequency, eod_token)
     path = save_tokenizer(tok, output, eod_token)
     return path, load_huggingface_tokenizer(path, "--output").vocab_size
+
+
+# ---------------------------------------------------------------- the scripts' shell
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (scancel, kill) cleans up like Ctrl-C: temporaries removed, nothing renamed
+
+
+def run_script(work, error_code: int = 2):
+    """(exit code, ``work()``'s result or None) for a preprocessing script: bad input is one line on
+    stderr, an interrupt (Ctrl-C, SIGTERM) says that nothing was written."""
+    import signal
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return 0, work()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return error_code, None
+    except KeyboardInterrupt:
+        print("interrupted: no output was written.", file=sys.stderr)
+        return 130, None
