@@ -101,13 +101,14 @@ class ChatTask(PretrainTask):
         return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file).pad
 
     @staticmethod
-    def global_sum(run, values: list) -> torch.Tensor:
-        """``values`` summed over the ranks that reduce gradients (DP; DP x CP with context parallelism)."""
-        total = torch.tensor(values, dtype=torch.float64, device=run.engine.device)
+    def global_sum(run, counts: list) -> list:
+        """``counts`` (device tensors of this rank's micro-batches) summed over the ranks that reduce
+        gradients (DP; DP x CP with context parallelism): one all-reduce and one host read per step."""
+        total = torch.stack([c.to(torch.float64) for c in counts])
         group = run.ps.grad_reduction
         if group.size > 1:
             dist.all_reduce(total, group=group.group)
-        return total
+        return total.tolist()
 
     def scale(self, run, count: float) -> torch.Tensor:
         """What each micro-batch's sum is multiplied by so that DeepSpeed's 1/GAS and its average over
@@ -139,8 +140,7 @@ class SFTTask(ChatTask):
 
     def step_batches(self, run, batches: Iterator) -> Iterator:
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
-        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in micro)
-        count = self.global_sum(run, [local]).item()
+        [count] = self.global_sum(run, [sum((labels != IGNORE_INDEX).sum() for _, labels in micro)])
         self.last_step_tokens = int(count)
         self.loss_tokens += int(count)
         scale = self.scale(run, count)
@@ -193,9 +193,8 @@ class DPOTask(ChatTask):
 
     def step_batches(self, run, batches: Iterator) -> Iterator:
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
-        chosen = sum(int((labels[: len(ids)] != IGNORE_INDEX).sum()) for _, (labels, ids) in micro)
-        tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, (labels, _) in micro)
-        chosen, tokens = self.global_sum(run, [chosen, tokens]).tolist()
+        chosen, tokens = self.global_sum(run, [sum((labels[: len(ids)] != IGNORE_INDEX).sum() for _, (labels, ids) in micro),
+                                               sum((labels != IGNORE_INDEX).sum() for _, (labels, _) in micro)])
         self.last_step_tokens = int(tokens)
         self.loss_tokens += int(tokens)
         pair_scale = self.scale(run, self.cfg.train.global_batch_size)
