@@ -220,3 +220,40 @@ def test_a_resumed_dpo_run_keeps_its_reference(preference, tmp_path):
     assert resumed["reference"] == first["reference"] == straight["reference"]
     assert abs(resumed["losses"][0] - straight["losses"][1]) <= 1e-6 * abs(straight["losses"][1])
     assert len([f for f in os.listdir(data) if f.startswith("pref.reference-")]) == 1  # computed once, then read
+
+
+# ---------------------------------------------------------------- GPU
+
+def _launch_finetune(flags: list[str], metrics) -> list[float]:
+    """scripts/finetune.py on one GPU through DeepSpeed's launcher; the logged losses."""
+    import json
+    import subprocess
+    import sys
+
+    from harness import free_port
+    from oracle import ROOT
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "1"]
+    result = subprocess.run([*launcher, "scripts/finetune.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    with open(metrics) as f:
+        return [r["loss"] for r in map(json.loads, f)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_packed_sft_with_flash_varlen_tracks_the_sdpa_block_mask(models, tmp_path):
+    from hybridlm.model.attention_backends import resolve_backend
+    try:
+        resolve_backend("flash", packing=True)
+    except ValueError as e:
+        pytest.skip(str(e))
+    hf, ckpt, data = models["qwen2"]
+    flags = ["--task", "sft", "--load", ckpt, "--data-path", data, "--packing", "--seq-length", str(SEQ), "--bf16",
+             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "1",
+             "--lr", "1e-3", "--lr-warmup-iters", "0", "--deepspeed_config", "ds_configs/zero1.json"]
+    flash = _launch_finetune(flags + ["--attention-backend", "flash"], tmp_path / "flash.jsonl")
+    sdpa = _launch_finetune(flags + ["--attention-backend", "sdpa"], tmp_path / "sdpa.jsonl")
+    for step, (a, b) in enumerate(zip(flash, sdpa), start=1):
+        assert abs(a - b) <= 2e-2 * abs(b), f"step {step}: flash varlen {a} vs SDPA block mask {b}"
