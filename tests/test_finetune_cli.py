@@ -91,6 +91,7 @@ REFUSALS = [
     pytest.param(["--task", "sft", "--load", "CKPT"], "--task sft needs --data-path", id="no_data"),
     pytest.param(["--task", "sft", "--load", "CKPT", "--data-path", "SFT_DATA", "--dpo-beta", "0.5"], "--dpo-beta needs --task dpo",
                  id="dpo_flag_for_sft"),
+    pytest.param(["--task", "dpo", "--ref-load", "CKPT", "--data-path", "PREF_DATA"], "--task dpo needs --load", id="dpo_without_policy"),
 ]
 
 

@@ -141,8 +141,8 @@ class RunConfig:
                 raise ConfigError(f"--rpo-alpha must not be negative, got {f.rpo_alpha}.")
             if f.reference == "none" and f.ref_load:
                 raise ConfigError("--ref-load cannot be combined with --reference none: a reference-free run reads no reference model.")
-            if f.reference == "precompute" and not (f.ref_load or t.load):
-                raise ConfigError("--task dpo needs --load or --ref-load: the reference model is a checkpoint (or pass --reference none).")
+            if not t.load:
+                raise ConfigError("--task dpo needs --load: the policy starts from a checkpoint (and the reference defaults to it).")
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""

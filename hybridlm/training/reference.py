@@ -29,6 +29,7 @@ from ..data.chat_dataset import DPOPairs
 from ..data.chat_preprocess import mask_prefix
 from ..data.samples import micro_batches
 from ..interop.layout import resolve_tag_dir
+from .checkpoint import tag_for
 from .distributed import device
 
 REFERENCE_FILE = "dpo_reference.json"  # in each DPO checkpoint: which checkpoint its reference log-probs came from
@@ -53,7 +54,8 @@ def reference_checkpoint(cfg) -> tuple[str, str]:
     DPO run started with (recorded in its checkpoints: its --load is now the policy's own); else --load."""
     if cfg.posttrain.ref_load:
         return resolve_tag_dir(cfg.posttrain.ref_load, "--ref-load"), f"--ref-load {cfg.posttrain.ref_load}"
-    tag_dir = resolve_tag_dir(cfg.train.load, "--load")
+    step = cfg.train.ckpt_step
+    tag_dir = os.path.join(cfg.train.load, tag_for(step)) if step is not None else resolve_tag_dir(cfg.train.load, "--load")
     recorded = os.path.join(tag_dir, REFERENCE_FILE)
     if os.path.isfile(recorded):
         with open(recorded) as f:
