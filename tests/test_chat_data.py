@@ -176,3 +176,24 @@ def test_train_on_last_accepts_a_template_that_rewrites_only_history(tmp_path, t
     ids, masks, manifest = _preprocess(tmp_path, tokenizers["chatml"], [TWO_TURNS], chat_template=str(tmp_path / "t.jinja"),
                                        train_on="last")
     assert sum(masks[0]) > 0 and manifest["template"]["source"].startswith("--chat-template")
+
+
+def test_best_fit_packing_fills_rows_as_the_quadratic_definition_does():
+    from hybridlm.data.chat_dataset import pack_best_fit
+    rng = np.random.RandomState(0)
+    for capacity in (64, 1000):
+        sizes = rng.randint(1, capacity + 1, size=300) // rng.randint(1, 6, size=300) + 1
+        sizes = np.minimum(sizes, capacity)
+        rows = pack_best_fit(sizes, capacity)
+        assert sorted(i for row in rows for i in row) == list(range(len(sizes)))
+        loads = sorted(int(sizes[row].sum()) for row in rows)
+        assert loads[-1] <= capacity
+        want: list[int] = []  # each item, largest first, into the open row with the least room that fits it
+        for size in sorted(sizes.tolist(), reverse=True):
+            fits = [r for r, load in enumerate(want) if load + size <= capacity]
+            if fits:
+                best = min(fits, key=lambda r: capacity - want[r])
+                want[best] += size
+            else:
+                want.append(size)
+        assert loads == sorted(want)

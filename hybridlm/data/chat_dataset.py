@@ -19,7 +19,6 @@ reads pretraining samples through: item ``i`` of the infinite stream is item ``i
 """
 from __future__ import annotations
 
-import bisect
 import json
 import os
 from typing import Optional
@@ -81,22 +80,55 @@ def empty_rows(count: int, seq_length: int, pad: int) -> tuple[np.ndarray, np.nd
     return tokens, labels, positions
 
 
+class _RowsBySpace:
+    """Open rows grouped by their free space, with a count tree over the spaces: the row with the
+    least free space that still fits an item is found in O(log capacity), whatever the row count."""
+
+    def __init__(self, capacity: int):
+        self.leaves = 1 << capacity.bit_length()  # > capacity
+        self.counts = [0] * (2 * self.leaves)
+        self.rows: list[list[int]] = [[] for _ in range(capacity + 1)]
+
+    def _count(self, space: int, change: int) -> None:
+        node = space + self.leaves
+        while node:
+            self.counts[node] += change
+            node //= 2
+
+    def put(self, space: int, row: int) -> None:
+        self.rows[space].append(row)
+        self._count(space, 1)
+
+    def take(self, at_least: int) -> tuple[int, int] | None:
+        """(space, row) of a row with the least free space >= ``at_least``, removed; None if there is none."""
+        node = at_least + self.leaves
+        if not self.counts[node]:
+            while node > 1 and not (node % 2 == 0 and self.counts[node + 1]):
+                node //= 2
+            if node == 1:
+                return None
+            node += 1
+            while node < self.leaves:  # down to the smallest space under this subtree
+                node = 2 * node if self.counts[2 * node] else 2 * node + 1
+        space = node - self.leaves
+        self._count(space, -1)
+        return space, self.rows[space].pop()
+
+
 def pack_best_fit(sizes: np.ndarray, capacity: int) -> list[list[int]]:
-    """Items (indices into ``sizes``) in rows of at most ``capacity``, best fit decreasing: each
-    item, largest first, goes to the row whose free space it fills most closely."""
+    """Items (indices into ``sizes``, each at most ``capacity``) in rows of at most ``capacity``,
+    best fit decreasing: each item, largest first, goes to the row it fills most closely."""
     rows: list[list[int]] = []
-    free: list[tuple[int, int]] = []  # (free space, row) sorted
+    open_rows = _RowsBySpace(capacity)
     for item in np.argsort(-sizes, kind="stable"):
         size = int(sizes[item])
-        at = bisect.bisect_left(free, (size, -1))
-        if at < len(free):
-            space, row = free.pop(at)
-        else:
-            space, row = capacity, len(rows)
+        found = open_rows.take(size)
+        space, row = found if found is not None else (capacity, len(rows))
+        if found is None:
             rows.append([])
         rows[row].append(int(item))
-        if space - size > 0:
-            bisect.insort(free, (space - size, row))
+        if space > size:
+            open_rows.put(space - size, row)
     return rows
 
 
