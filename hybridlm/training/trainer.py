@@ -119,11 +119,15 @@ class Run:
     is_pipeline: bool
     train_data: object = None  # anything with .batch(first, count) -> (inputs, labels)
     valid_data: object = None
-    task: PretrainTask = None  # what the loop trains (--task): data, loss, step micro-batches, extra log values
+    task: Optional[PretrainTask] = None  # what the loop trains (--task; default pretraining): data, loss, step micro-batches, log values
     iteration: int = 0
     phase: MicroBatchPhase = field(default_factory=MicroBatchPhase)  # read by TE's FP8 weight cache
     main_grads: Optional[MainGrads] = None  # --gradient-accumulation-fusion: zeroed before each step
     wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
+
+    def __post_init__(self):
+        if self.task is None:
+            self.task = PretrainTask(self.cfg)
 
     @property
     def tokens_per_step(self) -> int:
