@@ -130,7 +130,8 @@ def stage_trl(args, paths: dict) -> dict:
     rows = [{"input_ids": data.tokens[i].tolist(), "completion_mask": data.mask[i].tolist()} for i in range(len(data.tokens))]
     dtype = torch.float32 if args.tiny else torch.bfloat16
     model, implementation = None, None
-    for implementation in ("flash_attention_4", "flash_attention_3", "flash_attention_2", "sdpa"):
+    choices = ("flash_attention_4", "flash_attention_3", "flash_attention_2", "sdpa") if args.trl_attention == "auto" else (args.trl_attention,)
+    for implementation in choices:
         if implementation != "sdpa" and not torch.cuda.is_available():
             continue
         try:
@@ -180,7 +181,8 @@ def run_stage(args, stage: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", args.out, "--workdir", args.workdir,
                "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--samples", str(args.samples), "--pairs", str(args.pairs),
-               "--attention", args.attention, f"--hybridlm-flags={args.hybridlm_flags}"] + (["--tiny"] if args.tiny else [])
+               "--attention", args.attention, f"--hybridlm-flags={args.hybridlm_flags}", "--trl-attention", args.trl_attention]
+    command += ["--tiny"] if args.tiny else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     log = os.path.join(args.out, f"{stage}.log")
     with open(log, "w") as f:
@@ -232,7 +234,9 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=600, help="conversations in the SFT data")
     parser.add_argument("--pairs", type=int, default=256, help="preference pairs for the DPO reference pass")
     parser.add_argument("--attention", default="auto", help="hybridlm's --attention-backend (auto: flash-attn when installed)")
-    parser.add_argument("--hybridlm-flags", default="", help="more flags for both hybridlm runs, e.g. '--torch-compile'")
+    parser.add_argument("--hybridlm-flags", default="", help="more flags for both hybridlm runs, given with '=', e.g. --hybridlm-flags=--torch-compile")
+    parser.add_argument("--trl-attention", default="auto", help="TRL's attn_implementation (auto: the first of flash_attention_4/3/2, "
+                        "sdpa that loads)")
     parser.add_argument("--only", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
