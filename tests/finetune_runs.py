@@ -81,7 +81,7 @@ def preference_data(directory, tokenizer: str, count: int = 8, seed: int = 1) ->
 
 
 def finetune(flags: list[str], steps: int = 1, dpo_losses: tuple = (), mutate_packing: bool = False, save: bool = False) -> dict:
-    """In each rank: (evaluate the first global batch under each (loss, label smoothing) of
+    """In each rank: (evaluate the first global batch under each (loss, label smoothing, RPO alpha) of
     ``dpo_losses``,) train ``steps`` steps (and save); the losses, DPO values and live full weights."""
     import logging
 
@@ -99,10 +99,11 @@ def finetune(flags: list[str], steps: int = 1, dpo_losses: tuple = (), mutate_pa
     cfg, ds = prepare_config(parse_finetune_args(flags))
     run = build_run(cfg, ds)
     result = {"dpo": {}}
-    for kind, smoothing in dpo_losses:
-        run.task.dpo_loss.kind, run.task.dpo_loss.smoothing = kind, smoothing
+    for variant in dpo_losses:
+        loss_fn = run.task.dpo_loss
+        loss_fn.kind, loss_fn.smoothing, loss_fn.rpo_alpha = variant
         loss = evaluate(run, run.train_data, iters=1)
-        result["dpo"][(kind, smoothing)] = {"loss": loss, **run.task.log_values(run, 1.0)}
+        result["dpo"][variant] = {"loss": loss, **run.task.log_values(run, 1.0)}
     batches = data_iterator(run)
     result["losses"] = [train_step(run, batches).item() for _ in range(steps)]
     result["weights"] = _live_state(run, False)["weight"]

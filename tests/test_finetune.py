@@ -8,7 +8,7 @@ letting packed samples attend to each other breaks the equality (the mutation ch
 
 DPO (policy one HF model, reference another seed, 8 pairs of unequal lengths, one truncated): the
 loss and the six metrics equal the formulas pinned in hybridlm/training/losses.py on transformers'
-log-probabilities, for sigmoid (label smoothing 0 and 0.1), IPO and hinge, at both layouts; with
+log-probabilities, for sigmoid (label smoothing 0 and 0.1), IPO, hinge and sigmoid + RPO, at both layouts; with
 the policy as its own reference the loss is ln 2.
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_attention_across_packed_samples_breaks_the_match(models):
 # ---------------------------------------------------------------- DPO
 
 DPO_SEQ = 48  # the last pair's chosen reply is longer: truncated as a row holds it
-LOSSES = (("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0))
+LOSSES = (("sigmoid", 0.0, None), ("sigmoid", 0.1, None), ("ipo", 0.0, None), ("hinge", 0.0, None), ("sigmoid", 0.0, 0.5))
 BETA = 0.1
 
 
@@ -188,21 +188,23 @@ def test_dpo_losses_and_metrics_equal_the_pinned_formulas(preference, tmp_path, 
     assert len({len(ChatData(prefix).sample(2 * p, 10**6)[0]) for p in ids}) > 4  # unequal lengths
     pc, pr, nc, nr = transformers_logps(policy_hf, prefix, ids)
     rc, rr, _, _ = transformers_logps(reference_hf, prefix, ids)
-    for kind, smoothing in LOSSES:
+    for kind, smoothing, rpo in LOSSES:
         want = pinned(pc / nc, pr / nr, rc / nc, rr / nr, kind, smoothing) if kind == "ipo" else pinned(pc, pr, rc, rr, kind, smoothing)
-        values = got["dpo"][(kind, smoothing)]
+        if rpo:  # + alpha x the chosen replies' next-token loss per chosen token
+            want["loss"] += rpo * (-pc.sum() / nc.sum()).item()
+        values = got["dpo"][(kind, smoothing, rpo)]
         for name, value in want.items():
-            assert abs(values[name] - value) <= 1e-5 * max(1.0, abs(value)), f"{kind} {smoothing} {name}: {values[name]} != {value}"
-    assert abs(got["losses"][0] - got["dpo"][("hinge", 0.0)]["loss"]) <= 1e-6  # training's first step: the same loss
+            assert abs(values[name] - value) <= 1e-5 * max(1.0, abs(value)), f"{kind} {smoothing} {rpo} {name}: {values[name]} != {value}"
+    assert abs(got["losses"][0] - got["dpo"][LOSSES[-1]]["loss"]) <= 1e-6  # training's first step: the same loss
     assert [f for f in os.listdir(data) if f.startswith("pref.reference-")]  # computed and stored beside the data
 
 
 def test_dpo_with_the_policy_as_reference_gives_ln2(preference, tmp_path):
     data = shutil.copytree(preference[4], tmp_path / "data")
     world, flags = dpo_flags(preference, str(data), "dp2_zero3", reference=False)  # --ref-load defaults to --load
-    got = run_ranks(world, finetune, flags, 1, (("sigmoid", 0.1),))[0]
+    got = run_ranks(world, finetune, flags, 1, (("sigmoid", 0.1, None),))[0]
     assert abs(got["losses"][0] - math.log(2)) < 1e-6
-    values = got["dpo"][("sigmoid", 0.1)]
+    values = got["dpo"][("sigmoid", 0.1, None)]
     assert abs(values["loss"] - math.log(2)) < 1e-6 and abs(values["rewards/margins"]) < 1e-6
 
 
