@@ -2,7 +2,7 @@
 padding-free, the fastest flash attention transformers can load here) on the same data, hybridlm's
 pretraining at the same shape, and DPO's reference pass; a table last.
 
-    python3 benchmarks/sft_throughput.py --out $OUT [--steps 20 --warmup 5 --micro-batch-size 1] [--only sft,pretrain,trl,dpo]
+    python3 benchmarks/sft_throughput.py --out $OUT --workdir /tmp/sftbench [--steps 20 --warmup 5] [--only sft,trl,pretrain,dpo]
     python3 benchmarks/sft_throughput.py --out /tmp/x --tiny     (smoke test on a CPU: tiny fp32 model, sdpa)
 
 The model is a Qwen2-1.5B-shaped Qwen2ForCausalLM (28 layers, hidden 1536, 12 heads / 2 KV heads, ffn
@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     parser.add_argument("--hybridlm-flags", default="", help="more flags for both hybridlm runs, given with '=', e.g. --hybridlm-flags=--torch-compile")
     parser.add_argument("--trl-attention", default="auto", help="TRL's attn_implementation (auto: the first of flash_attention_4/3/2, "
                         "sdpa that loads)")
-    parser.add_argument("--only", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
+    parser.add_argument("--only", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)} (prepare: only the model and data)")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.seq_length = args.seq_length or (256 if args.tiny else 4096)
@@ -252,9 +252,14 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     prepare(args)
     print(f"model and data ready in {args.workdir} ({time.perf_counter() - started:.0f} s)", flush=True)
-    results = {stage: run_stage(args, stage) for stage in args.only.split(",") if stage}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    # Results accumulate in the work directory, so that calls of a few stages each (a device call
+    # has a time limit) still print one table; sft and trl belong in the same call.
+    saved = os.path.join(args.workdir, "results.json")
+    results = json.load(open(saved)) if os.path.isfile(saved) else {}
+    results.update({stage: run_stage(args, stage) for stage in args.only.split(",") if stage in STAGES})
+    for path in (saved, os.path.join(args.out, "results.json")):
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
     print(table(results, args), flush=True)
     return 0
 
