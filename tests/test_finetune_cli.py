@@ -92,6 +92,8 @@ REFUSALS = [
     pytest.param(["--task", "sft", "--load", "CKPT", "--data-path", "SFT_DATA", "--dpo-beta", "0.5"], "--dpo-beta needs --task dpo",
                  id="dpo_flag_for_sft"),
     pytest.param(["--task", "dpo", "--ref-load", "CKPT", "--data-path", "PREF_DATA"], "--task dpo needs --load", id="dpo_without_policy"),
+    pytest.param(["--task", "sft", "--data-path", "SFT_DATA"], "name it with --tokenizer-type HuggingFaceTokenizer",
+                 id="no_tokenizer_for_chat_data"),
 ]
 
 

@@ -209,12 +209,16 @@ class DPOPairs:
         return torch.from_numpy(tokens), (torch.from_numpy(labels), torch.tensor(pairs, dtype=torch.int64))
 
 
-def check_tokenizer(data: ChatData, tokenizer_path: Optional[str]) -> None:
+def check_tokenizer(data: ChatData, tokenizer_type: str, tokenizer_path: Optional[str]) -> None:
     """The data was tokenized by the tokenizer this run names (same encoding files)."""
     from .chat_template import encoding_sha256
-    if tokenizer_path is None or not os.path.exists(tokenizer_path):
-        return
+    source = data.manifest["tokenizer"]["path"]
+    if tokenizer_type != "HuggingFaceTokenizer" or tokenizer_path is None:
+        raise ConfigError(f"--data-path {data.prefix} was tokenized by {source}; name it with --tokenizer-type HuggingFaceTokenizer "
+                          f"--tokenizer-model {source} (or --load a checkpoint imported with it).")
+    if not os.path.exists(tokenizer_path):
+        raise ConfigError(f"--tokenizer-model {tokenizer_path}: no such file or directory.")
     want = data.manifest["tokenizer"]["sha256"]
     if encoding_sha256(tokenizer_path) != want:
-        raise ConfigError(f"--data-path {data.prefix} was tokenized by {data.manifest['tokenizer']['path']}, whose files differ "
+        raise ConfigError(f"--data-path {data.prefix} was tokenized by {source}, whose files differ "
                           f"from --tokenizer-model {tokenizer_path}; preprocess the data again with this run's tokenizer.")

@@ -88,7 +88,7 @@ class ChatTask(PretrainTask):
         if self.data is None:
             d = self.cfg.data
             self.data = ChatData(str(d.data_path[0]).split()[0])
-            check_tokenizer(self.data, d.tokenizer_model)
+            check_tokenizer(self.data, d.tokenizer_type, d.tokenizer_model)
         return self.data
 
     def checkpoint_files(self) -> dict:
