@@ -103,3 +103,16 @@ def test_bad_finetune_input_is_one_sentence_before_any_process_group(inputs, arg
     code, err, initialized = run_ranks(1, finetune_main, argv)[0]
     lines = err.strip().splitlines()
     assert code == 2 and not initialized and lines[-1].startswith("error: ") and message in lines[-1], err
+
+
+@pytest.mark.slow
+def test_deepspeed_launcher_runs_finetune_py(inputs, tmp_path):
+    from harness import launch_deepspeed
+    result = launch_deepspeed(["--num_gpus", "2", "scripts/finetune.py", "--task", "sft", "--load", inputs["CKPT"], "--data-path",
+                               inputs["SFT_DATA"], "--packing", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                               "--train-iters", "2", "--log-interval", "1", "--metrics-file", str(tmp_path / "m.jsonl")]
+                              + ds_config("zero1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["loss_tokens"] > 0 and r["loss_tokens_per_sec"] > 0 for r in records)
+    assert "sft on 8 conversations, packed rows" in result.stdout
