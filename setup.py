@@ -19,6 +19,7 @@ setup(
         "pyyaml",
         "safetensors",
         "sentencepiece",  # --tokenizer-type Llama2Tokenizer
+        "jinja2>=3.1.6",  # chat templates (preprocess_chat); the sandbox fixes of 3.1.6, as transformers requires
     ],
     extras_require={
         "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],

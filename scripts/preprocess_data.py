@@ -5,13 +5,12 @@ Writes <output-prefix>_<key>_document.bin/.idx (Megatron's naming) and prints th
 """
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hybridlm.config import ConfigError, megatron  # noqa: E402
-from hybridlm.data.preprocess import preprocess  # noqa: E402
+from hybridlm.config import megatron  # noqa: E402
+from hybridlm.data.preprocess import preprocess, run_script  # noqa: E402
 from hybridlm.data.tokenizers import TOKENIZER_TYPES, TokenizerSpec  # noqa: E402
 
 
@@ -39,32 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM (scancel, kill) cleans up like Ctrl-C: temporaries removed, nothing renamed
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
     spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_size)
-    try:
+
+    def work():
         for line in megatron.translate(vars(args), ignored=megatron.PREPROCESS_IGNORED, refused=megatron.PREPROCESS_REFUSED):
             print(line, file=sys.stderr)
-        stats = preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys, append_eod=args.append_eod,
-                           workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                           chunk_bytes=max(1, int(args.chunk_mb * 2**20)), progress=not args.no_progress)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: no output was written.", file=sys.stderr)
-        return 130
+        return preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys, append_eod=args.append_eod,
+                          workers=args.workers, skip_bad_lines=args.skip_bad_lines,
+                          chunk_bytes=max(1, int(args.chunk_mb * 2**20)), progress=not args.no_progress)
+    code, stats = run_script(work, error_code=1)
+    if stats is None:
+        return code
     for example in stats.bad_examples:
         print(f"skipped {example}", file=sys.stderr)
     for path in stats.empty_files:
         print(f"skipped {path}: the file is empty", file=sys.stderr)
     print(stats.summary())
-    return 0
+    return code
 
 
 if __name__ == "__main__":

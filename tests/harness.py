@@ -16,6 +16,8 @@ import os
 import pickle
 import queue as queue_module
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -93,3 +95,14 @@ def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0) -> list[A
 def start_ranks(world: int, fn: Callable, *args) -> list:
     """Start ``fn(*args)`` on ``world`` forked ranks without waiting: for tests that kill them."""
     return _start(world, fn, args)[0]
+
+
+def launch_deepspeed(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """What a user types: the ``deepspeed`` launcher (CPU, gloo) with ``args``, from the repository root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    bin_dir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    # A free rendezvous port of our own: the launcher's default 29500 may be held by another job.
+    return subprocess.run([os.path.join(bin_dir, "deepspeed"), "--master_port", str(free_port()), *args], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)

@@ -135,3 +135,64 @@ def test_half_precision_backends_compute_fp32_models_through_sdpa(backend):
         pytest.skip(f"{backend} is not installed on this machine")
     core = make_attention_core(backend, heads=4, groups=2, head_dim=32, dropout=0.0)
     check_against_reference(core, s=65, b=2, heads=4, groups=2, d=32, dtype=torch.float32, device="cuda", tol=1e-4)
+
+
+# ---------------------------------------------------------------- packed samples (--packing)
+
+def packed_positions(lengths_per_row: list[list[int]], device="cpu") -> torch.Tensor:
+    """Position ids [b, s] of rows holding samples of the given lengths (each restarting at 0)."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row]).to(device)
+
+
+def check_packed_against_reference(core, lengths_per_row, *, heads, groups, d, dtype, device, tol):
+    """Each sample of a packed row must get exactly its own causal attention: the reference runs
+    every sample alone."""
+    positions = packed_positions(lengths_per_row, device)
+    b, s = positions.shape
+    q = torch.randn(s, b, heads, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(s, b, groups, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(s, b, groups, d, dtype=dtype, device=device, requires_grad=True)
+    grad_out = torch.randn(s, b, heads, d, dtype=dtype, device=device)
+    out = core(q, k, v, 0.0, positions)
+    out.backward(grad_out)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    pieces = []
+    for row, lengths in enumerate(lengths_per_row):
+        start, outs = 0, []
+        for n in lengths:
+            outs.append(reference_attention(*(t[start:start + n, row:row + 1] for t in leaves)))
+            start += n
+        pieces.append(torch.cat(outs))
+    want = torch.cat(pieces, dim=1)
+    want.backward(grad_out.double())
+    for name, a, w in zip(("output", "dq", "dk", "dv"), [out.detach(), q.grad, k.grad, v.grad], [want.detach()] + [t.grad for t in leaves]):
+        err = relative_error(a, w, floor=0.1 * grad_out.double().norm().item())
+        assert err < tol, f"{name}: relative error {err:.2e} >= {tol} with packed rows {lengths_per_row}"
+
+
+ROWS = [[5, 1, 9, 3], [18]]  # a one-token sample, a row with one sample
+
+
+def test_sdpa_keeps_packed_samples_apart():
+    core = make_attention_core("sdpa", heads=4, groups=2, head_dim=8, dropout=0.0)
+    check_packed_against_reference(core, ROWS, heads=4, groups=2, d=8, dtype=torch.float32, device="cpu", tol=1e-5)
+
+
+def test_packing_refuses_backends_that_cannot_isolate_samples_and_auto_picks_one_that_can():
+    for backend in ("cudnn", "te"):
+        with pytest.raises(ValueError, match=f"--attention-backend {backend} cannot keep packed samples apart"):
+            resolve_backend(backend, packing=True)
+    assert resolve_backend("auto", packing=True)[0] in ("flash", "sdpa")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_gpu_packed_attention_keeps_samples_apart_in_bf16(backend):
+    try:
+        resolve_backend(backend, packing=True)
+    except ValueError as e:
+        pytest.skip(str(e))
+    core = make_attention_core(backend, heads=8, groups=2, head_dim=128, dropout=0.0)
+    rows = [[100, 1, 200, 56], [300, 57]]
+    check_packed_against_reference(core, rows, heads=8, groups=2, d=128, dtype=torch.bfloat16, device="cuda", tol=1e-2)

@@ -2,26 +2,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import pytest
 
-from harness import free_port
-from oracle import ROOT, TINY
+from harness import launch_deepspeed as _launch
+from oracle import TINY
 
 pytestmark = pytest.mark.slow
-
-
-def _launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    bin_dir = os.path.dirname(sys.executable)
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    # A free rendezvous port of our own: the launcher's default 29500 may be held by another job.
-    return subprocess.run([os.path.join(bin_dir, "deepspeed"), "--master_port", str(free_port()), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _losses(path) -> list[float]:

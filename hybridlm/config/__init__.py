@@ -7,7 +7,7 @@ so code, CLI and docs cannot drift.
 
     fields.py    the field helper and ConfigError
     model.py     ModelConfig
-    sections.py  ParallelConfig, TrainConfig, DataConfig
+    sections.py  ParallelConfig, TrainConfig, DataConfig, PostTrainConfig
     run.py       RunConfig and its cross-checks (``validate``), before any process group
     cli.py       flags/YAML -> RunConfig, the effective YAML, the flag table
 """
@@ -16,8 +16,8 @@ from .cli import (build_parser, config_from_dict, effective_yaml, flags_markdown
 from .fields import ConfigError
 from .model import FUSED_OPS, ModelConfig
 from .run import RunConfig
-from .sections import DataConfig, ParallelConfig, TrainConfig
+from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
-__all__ = ["ConfigError", "DataConfig", "FUSED_OPS", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+__all__ = ["ConfigError", "DataConfig", "FUSED_OPS", "ModelConfig", "ParallelConfig", "PostTrainConfig", "RunConfig", "TrainConfig",
            "build_parser", "config_from_dict", "effective_yaml", "flags_markdown", "load_yaml", "parse_args",
            "world_size_from_env"]

@@ -15,7 +15,7 @@ from . import megatron
 from .fields import ConfigError
 from .model import ModelConfig
 from .run import SECTIONS, RunConfig
-from .sections import DataConfig, ParallelConfig, TrainConfig
+from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 
 def _cli_fields():
@@ -57,14 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Optional[list[str]] = None) -> RunConfig:
-    """Flags (over ``--config`` YAML) -> RunConfig. Unknown or malformed flags end in argparse's
-    one-line error (exit 2); a bad YAML file in a ConfigError naming it."""
+def parse_args(argv: Optional[list[str]] = None, base: Optional[dict] = None) -> RunConfig:
+    """Flags (over ``--config`` YAML, over ``base`` settings) -> RunConfig. Unknown or malformed flags
+    end in argparse's one-line error (exit 2); a bad YAML file in a ConfigError naming it."""
     ns = vars(build_parser().parse_args(argv))
     ns.pop("local_rank", None)
     ns.pop("deepspeed", None)
     path = ns.pop("config", None)
-    values = load_yaml(path) if path else {}
+    values = dict(base or {})
+    values.update(load_yaml(path) if path else {})
     values.update(ns)
     typed = frozenset(values)
     if values.get("model") is None and not any(name in values for name in SHAPE_FLAGS):
@@ -145,7 +146,8 @@ def config_from_dict(values: dict) -> RunConfig:
             raise ConfigError(f"unknown setting '{k}'.")
         by_section[known[k]][k] = v
     return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
-                     train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]), explicit=frozenset(values))
+                     train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]),
+                     posttrain=PostTrainConfig(**by_section["posttrain"]), explicit=frozenset(values))
 
 
 def world_size_from_env() -> int:

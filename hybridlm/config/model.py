@@ -66,6 +66,7 @@ class ModelConfig:
     moe_grouped_gemm: bool = flag(True, "Compute the experts as one grouped GEMM (torch.nn.functional.grouped_mm) where torch offers it; else a loop over experts.")
     moe_token_dispatcher_type: str = flag("allgather", "How tokens reach their experts in Megatron-LM; here both travel by all-to-all over EP, with the same result (dropless routing is unchanged).", choices=("allgather", "alltoall", "flex"))
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
+    packed_samples: bool = flag(False, "Derived from --packing: rows hold several samples that attention must keep apart.", cli=False)
 
     def __post_init__(self):
         if self.num_query_groups is None or not self.group_query_attention:

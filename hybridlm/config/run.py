@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from . import megatron
 from .fields import ConfigError, refuse_first
 from .model import ModelConfig
-from .sections import DataConfig, ParallelConfig, TrainConfig
+from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 @dataclass
 class RunConfig:
@@ -19,6 +19,7 @@ class RunConfig:
     parallel: ParallelConfig
     train: TrainConfig
     data: DataConfig = field(default_factory=DataConfig)
+    posttrain: PostTrainConfig = field(default_factory=PostTrainConfig)
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
     notes: list = field(default_factory=list)  # lines for the run log: what a Megatron flag maps to here
     typed: frozenset = None  # the flags given on the command line or in --config, not by a preset (default: explicit)
@@ -101,6 +102,7 @@ class RunConfig:
             raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:
             raise ConfigError("--exit-signal-handler needs --save: the checkpoint it writes on the signal has to go somewhere.")
+        self._check_posttrain()
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         self.notes.extend(line for line in megatron.check(self) if line not in self.notes)
@@ -150,6 +152,45 @@ class RunConfig:
         if t.decoupled_min_lr is not None and t.decoupled_lr is None:
             raise ConfigError("--decoupled-min-lr needs --decoupled-lr.")
 
+    def _check_posttrain(self) -> None:
+        """--task and its settings (the data files themselves are checked when the task reads them)."""
+        f, t, d = self.posttrain, self.train, self.data
+        self.model.packed_samples = f.packing
+        if f.packing and f.task != "sft":
+            raise ConfigError(f"--packing needs --task sft (this run is --task {f.task}).")
+        if f.packing and self.model.cuda_graphs:
+            raise ConfigError("--packing cannot be combined with --cuda-graphs: a captured layer takes the activations alone, "
+                              "not the position ids that keep packed samples apart.")
+        defaults = PostTrainConfig()
+        dpo_only = [n for n in ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "reference", "ref_load", "rpo_alpha")
+                    if getattr(f, n) != getattr(defaults, n)]
+        if f.task != "dpo" and dpo_only:
+            raise ConfigError(f"--{dpo_only[0].replace('_', '-')} needs --task dpo (this run is --task {f.task}).")
+        if f.task == "pretrain":
+            return
+        if d.data_path is None:
+            raise ConfigError(f"--task {f.task} needs --data-path: a prefix written by scripts/preprocess_chat.py.")
+        words = [w for item in d.data_path for w in str(item).split()]
+        if len(words) != 1:
+            raise ConfigError(f"--task {f.task} takes one --data-path prefix (got {' '.join(words)}); preprocess the "
+                              "conversations together with scripts/preprocess_chat.py.")
+        if t.eval_interval:
+            raise ConfigError(f"--eval-interval cannot be combined with --task {f.task} yet: fine-tuning runs have no "
+                              "validation split; leave it out.")
+        if f.task == "dpo":
+            if f.dpo_beta <= 0:
+                raise ConfigError(f"--dpo-beta must be positive, got {f.dpo_beta}.")
+            if not 0 <= f.dpo_label_smoothing < 0.5:
+                raise ConfigError(f"--dpo-label-smoothing must be in [0, 0.5), got {f.dpo_label_smoothing}.")
+            if f.dpo_label_smoothing and f.dpo_loss != "sigmoid":
+                raise ConfigError(f"--dpo-label-smoothing applies to --dpo-loss sigmoid, not {f.dpo_loss}.")
+            if f.rpo_alpha is not None and f.rpo_alpha < 0:
+                raise ConfigError(f"--rpo-alpha must not be negative, got {f.rpo_alpha}.")
+            if f.reference == "none" and f.ref_load:
+                raise ConfigError("--ref-load cannot be combined with --reference none: a reference-free run reads no reference model.")
+            if not t.load:
+                raise ConfigError("--task dpo needs --load: the policy starts from a checkpoint (and the reference defaults to it).")
+
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""
         m, p = self.model, self.parallel
@@ -188,4 +229,5 @@ class RunConfig:
         return {name: dataclasses.asdict(getattr(self, name)) for name, _ in SECTIONS}
 
 
-SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig))
+SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig),
+            ("posttrain", PostTrainConfig))

@@ -124,3 +124,19 @@ class DataConfig:
     merge_file: Optional[str] = flag(None, "GPT2BPETokenizer: merges.txt.")
     data_cache_path: Optional[str] = flag(None, "Folder for the sample-index caches (default: index-cache/ beside each prefix).")
 
+
+@dataclass
+class PostTrainConfig:
+    """Post-training (scripts/finetune.py): which objective, and its settings."""
+
+    task: str = flag("pretrain", "What the loop trains: next-token prediction on every token (pretrain), on the replies of chat data (sft), or preference pairs (dpo); data for sft and dpo comes from scripts/preprocess_chat.py.",
+                     choices=("pretrain", "sft", "dpo"))
+    packing: bool = flag(False, "SFT: pack several conversations into each row, positions restarting per conversation and no attention across them (flash-attn variable-length kernels, or an SDPA block mask).")
+    dpo_beta: float = flag(0.1, "DPO: beta, the strength of the pull towards the reference model.")
+    dpo_loss: str = flag("sigmoid", "DPO: the pair loss (formulas in the README): sigmoid (with --dpo-label-smoothing), ipo or hinge.",
+                         choices=("sigmoid", "ipo", "hinge"))
+    dpo_label_smoothing: float = flag(0.0, "DPO sigmoid loss: probability that a pair's preference is flipped (conservative DPO).")
+    reference: str = flag("precompute", "DPO: reference log-probabilities computed once before training by this run's engine and layout and cached beside the data, or none (reference-free).",
+                          choices=("precompute", "none"))
+    ref_load: Optional[str] = flag(None, "DPO: checkpoint of the reference model (default: --load, the starting point).")
+    rpo_alpha: Optional[float] = flag(None, "DPO: add this times the chosen replies' mean next-token loss (RPO; default: none).")

@@ -140,8 +140,8 @@ def _worker_init(threads: int) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
 
-def _parse_line(raw: bytes, keys: Sequence[str]):
-    """(texts, None) or (None, reason)."""
+def _parse_json(raw: bytes):
+    """(object, None) or (None, reason) for one line that must hold a JSON object."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -152,6 +152,14 @@ def _parse_line(raw: bytes, keys: Sequence[str]):
         return None, f"malformed JSON ({e.msg} at column {e.colno})"
     if not isinstance(obj, dict):
         return None, f"a JSON {type(obj).__name__}, not an object"
+    return obj, None
+
+
+def _parse_line(raw: bytes, keys: Sequence[str]):
+    """(texts, None) or (None, reason)."""
+    obj, reason = _parse_json(raw)
+    if reason is not None:
+        return None, reason
     texts = []
     for key in keys:
         if key not in obj:
@@ -292,6 +300,36 @@ def _executor(workers: int):
     return cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(threads,)), workers
 
 
+def encode_in_order(paths: Sequence[str], encode, options, shared, *, workers: int, chunk_bytes: int, bar: "Progress",
+                    consume, empty_file) -> None:
+    """``encode(chunk, options, shared)`` over every chunk of ``paths`` in ``workers`` threads or
+    processes, a few chunks in flight; ``consume(result)`` sees the results in input order (so the
+    output does not depend on the worker count) and ``empty_file(path)`` each file with no line."""
+    executor, parallel = _executor(workers)
+    pending: collections.deque = collections.deque()
+
+    def drain(limit: int) -> None:
+        while len(pending) > limit:
+            consume(pending.popleft().result())
+            bar.update()
+
+    try:
+        for path in paths:
+            chunks_here = 0
+            for chunk in read_chunks(path, chunk_bytes, bar):
+                chunks_here += 1
+                pending.append(executor.submit(encode, chunk, options, shared))
+                drain(2 * parallel)
+            bar.next_file(os.path.getsize(path))
+            if chunks_here == 0:
+                empty_file(path)
+        drain(0)
+    except BaseException:
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    executor.shutdown()
+
+
 def output_prefix_for(output_prefix: str, key: str) -> str:
     """Megatron's naming: ``<prefix>_<key>_document``, what existing recipes pass to --data-path."""
     return f"{output_prefix}_{key}_document"
@@ -313,44 +351,32 @@ def preprocess(inputs: Sequence[str], output_prefix: str, spec: TokenizerSpec = 
     bar = Progress(stats, sum(os.path.getsize(p) for p in paths), enabled=progress)
     start = time.perf_counter()
     writers = {key: IndexedDatasetWriter(output_prefix_for(output_prefix, key), options.dtype) for key in json_keys}
-    executor, parallel = _executor(workers)
     shared_tokenizer = tokenizer if workers == 1 else None  # threads share it; processes build their own
+
+    def consume(result: ChunkResult) -> None:
+        for key in json_keys:
+            writers[key].add_documents(result.tokens[key], result.lengths[key])
+        stats.documents += len(result.lengths[json_keys[0]])
+        stats.tokens += sum(len(t) for t in result.tokens.values())
+        stats.bytes_in += result.num_bytes
+        stats.bad_lines += len(result.bad)
+        for line, reason in result.bad[:max(0, 20 - len(stats.bad_examples))]:
+            stats.bad_examples.append(f"{result.path}:{line}: {reason}")
+
+    def empty_file(path: str) -> None:
+        if not skip_bad_lines:
+            raise BadInputError(f"{path}:1: the file is empty.")
+        stats.empty_files.append(path)
+
     try:
-        pending: collections.deque = collections.deque()
-
-        def drain(limit: int) -> None:
-            while len(pending) > limit:
-                result = pending.popleft().result()
-                for key in json_keys:
-                    writers[key].add_documents(result.tokens[key], result.lengths[key])
-                stats.documents += len(result.lengths[json_keys[0]])
-                stats.tokens += sum(len(t) for t in result.tokens.values())
-                stats.bytes_in += result.num_bytes
-                stats.bad_lines += len(result.bad)
-                for line, reason in result.bad[:max(0, 20 - len(stats.bad_examples))]:
-                    stats.bad_examples.append(f"{result.path}:{line}: {reason}")
-                bar.update()
-
-        for path in paths:
-            chunks_here = 0
-            for chunk in read_chunks(path, chunk_bytes, bar):
-                chunks_here += 1
-                pending.append(executor.submit(encode_chunk, chunk, options, shared_tokenizer))
-                drain(2 * parallel)
-            bar.next_file(os.path.getsize(path))
-            if chunks_here == 0:
-                if not skip_bad_lines:
-                    raise BadInputError(f"{path}:1: the file is empty.")
-                stats.empty_files.append(path)
-        drain(0)
+        encode_in_order(paths, encode_chunk, options, shared_tokenizer, workers=workers, chunk_bytes=chunk_bytes,
+                        bar=bar, consume=consume, empty_file=empty_file)
         if stats.documents == 0:
             raise BadInputError(f"no document was read from {', '.join(paths)}; nothing to write.")
     except BaseException:
-        executor.shutdown(wait=False, cancel_futures=True)
         for w in writers.values():
             w.abort()
         raise
-    executor.shutdown()
     for w in writers.values():
         w.finalize()
     bar.close()
@@ -391,3 +417,24 @@ def train_tokenizer(inputs: Sequence[str], output: str, *, vocab_size: int = 320
     tok = train_byte_level_bpe(texts, vocab_size, min_frequency, eod_token)
     path = save_tokenizer(tok, output, eod_token)
     return path, load_huggingface_tokenizer(path, "--output").vocab_size
+
+
+# ---------------------------------------------------------------- the scripts' shell
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (scancel, kill) cleans up like Ctrl-C: temporaries removed, nothing renamed
+
+
+def run_script(work, error_code: int = 2):
+    """(exit code, ``work()``'s result or None) for a preprocessing script: bad input is one line on
+    stderr, an interrupt (Ctrl-C, SIGTERM) says that nothing was written."""
+    import signal
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return 0, work()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return error_code, None
+    except KeyboardInterrupt:
+        print("interrupted: no output was written.", file=sys.stderr)
+        return 130, None

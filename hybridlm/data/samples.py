@@ -16,20 +16,28 @@ import torch
 
 
 def micro_batches(stream, *, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                  start_iteration: int = 0, device=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(tokens, labels) micro-batches for one DP rank, forever, from ``start_iteration`` on."""
+                  start_iteration: int = 0, device=None) -> Iterator[tuple]:
+    """(inputs, labels) micro-batches for one DP rank, forever, from ``start_iteration`` on (each a
+    tensor, or for fine-tuning a tuple of tensors: tokens and position ids, labels and what the loss needs)."""
     per_micro_step = micro_batch_size * dp_size
     accumulation = global_batch_size // per_micro_step
     iteration = start_iteration
     while True:
         for m in range(accumulation):
             first = iteration * global_batch_size + m * per_micro_step + dp_rank * micro_batch_size
-            tokens, labels = stream.batch(first, micro_batch_size)
-            yield to_device(tokens, device), to_device(labels, device)
+            inputs, labels = stream.batch(first, micro_batch_size)
+            yield to_device(inputs, device), to_device(labels, device)
         iteration += 1
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
+def to_device(t, device):
+    """A tensor, or each tensor of a tuple, on ``device`` (see ``tensor_to_device``)."""
+    if isinstance(t, tuple):
+        return tuple(to_device(x, device) for x in t)
+    return tensor_to_device(t, device)
+
+
+def tensor_to_device(t: torch.Tensor, device) -> torch.Tensor:
     """Copy a host batch to ``device`` without waiting for it.
 
     A copy from ordinary (pageable) host memory waits for everything the GPU has queued (the

@@ -129,10 +129,11 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
             eod, tokenizer_line = write_tokenizer(reader.info.settings, staging, cfg.seq_length)
         else:
             eod, tokenizer_line = None, "tokenizer: not written, the checkpoint was imported without tokenizer files"
+        end_of_turn, chat_line = chat_template_files(reader.tag_dir, staging)
         hf = hf_config(arch, cfg, bos=eod, eos=eod, dtype=_TORCH_DTYPE_NAMES[torch_dtype])
         hf.save_pretrained(staging)
         _add_legacy_rope_theta(os.path.join(staging, "config.json"))
-        _write_generation_config(staging, eod)
+        _write_generation_config(staging, eod, end_of_turn)
         if os.path.isdir(output):
             os.rmdir(output)  # empty, checked above
         os.replace(staging, output)
@@ -142,7 +143,9 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
     log(f"exported {reader.tag_dir} ({layout.describe()}, {len(rules)} parameters) to {output} as "
         f"{HF_CLASSES[arch]} in {dtype}{', tied embeddings' if tied else ''}: {', '.join(files)}")
     log(tokenizer_line)
-    return {"architecture": HF_CLASSES[arch], "files": files, "dtype": dtype, "eos_token_id": eod}
+    if chat_line:
+        log(chat_line)
+    return {"architecture": HF_CLASSES[arch], "files": files, "dtype": dtype, "eos_token_id": eod, "end_of_turn_id": end_of_turn}
 
 
 def _add_legacy_rope_theta(path: str) -> None:
@@ -158,9 +161,32 @@ def _add_legacy_rope_theta(path: str) -> None:
             f.write("\n")
 
 
-def _write_generation_config(directory: str, eod: Optional[int]) -> None:
+def chat_template_files(tag_dir: str, output: str) -> tuple[Optional[int], Optional[str]]:
+    """The chat template for the export (the one a fine-tuning run rendered its data with, saved in
+    the checkpoint, over the tokenizer's own), and the id of the token that ends a reply under it
+    (None without a template): generation must stop there, not only at the end-of-document token."""
+    from ..data.chat_template import TEMPLATE_FILE, end_of_turn_id, load_template
+    saved = os.path.join(tag_dir, TEMPLATE_FILE)
+    if os.path.isfile(saved):
+        shutil.copy2(saved, os.path.join(output, TEMPLATE_FILE))
+    if not os.path.isfile(os.path.join(output, "tokenizer.json")):
+        return None, None
+    try:
+        template = load_template(output)
+    except ConfigError:
+        return None, None
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(output, "tokenizer.json"))
+    end = end_of_turn_id(template, tok)
+    origin = "the fine-tuning run's" if os.path.isfile(saved) else "the tokenizer's"
+    return end, (f"chat template: {origin}" + (f"; replies end with {tok.id_to_token(end)} (id {end}), added to "
+                                               "generation_config.eos_token_id" if end is not None else ""))
+
+
+def _write_generation_config(directory: str, eod: Optional[int], end_of_turn: Optional[int] = None) -> None:
     from transformers import GenerationConfig
-    GenerationConfig(bos_token_id=eod, eos_token_id=eod, pad_token_id=eod).save_pretrained(directory)
+    eos = [t for t in dict.fromkeys((eod, end_of_turn)) if t is not None]
+    GenerationConfig(bos_token_id=eod, eos_token_id=eos[0] if len(eos) == 1 else eos or None, pad_token_id=eod).save_pretrained(directory)
 
 
 def _progress(items, enabled: bool, description: str):

@@ -25,7 +25,11 @@ class Rotary:
             self._cache = {key: (emb.cos(), emb.sin())}  # [s, d]
         return self._cache[key]
 
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [s, b, heads, d]."""
+    def apply(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [s, b, heads, d]; ``position_ids`` [b, s] when packed samples restart their positions
+        (then the PyTorch definition runs: the fused kernels take one position table for all rows)."""
         cos, sin = self.cos_sin(x.shape[0], x.device)
-        return self.kernel(x, cos, sin)
+        if position_ids is None:
+            return self.kernel(x, cos, sin)
+        rows = position_ids.t()
+        return reference_ops.rotary(x, cos[rows], sin[rows])

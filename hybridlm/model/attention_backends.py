@@ -2,7 +2,8 @@
 
 A core takes q [s, b, heads, d] and k, v [s, b, groups, d] (grouped-query attention: heads
 is a multiple of groups; the layout the QKV projection produces, so no backend forces a
-copy on the others) and returns [s, b, heads, d].
+copy on the others) and returns [s, b, heads, d]. With ``position_ids`` [b, s] (packed
+samples: positions restart at 0 where a sample begins) no query sees another sample's keys.
 
   sdpa   torch's scaled_dot_product_attention, whichever kernel torch picks (CPU: math)
   cudnn  the same call pinned to cuDNN's fused attention (Hopper: ~1.8x torch's default
@@ -30,13 +31,44 @@ def _to_bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0, 3)
 
 
-def sdpa_attention(q, k, v, dropout_p: float = 0.0):
-    out = F.scaled_dot_product_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), dropout_p=dropout_p, is_causal=True,
-                                         enable_gqa=q.shape[2] != k.shape[2])
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, 1, s, s] True where query i may attend key j: j <= i within the same sample, a sample
+    beginning wherever its position id is 0 (packed rows restart positions per sample)."""
+    sample = (position_ids == 0).cumsum(-1)
+    same = sample.unsqueeze(-1) == sample.unsqueeze(-2)
+    s = position_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
+def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """int32 cumulative sample lengths of the rows laid end to end (flash-attn's ``cu_seqlens``).
+
+    Finding them reads the device (a host sync), so the result is kept on the position ids
+    tensor, which every layer of a pipeline stage receives unchanged: one sync per stage and
+    micro-batch rather than one per layer."""
+    cached = getattr(position_ids, "_cu_seqlens", None)
+    if cached is None:
+        flat = position_ids.reshape(-1)
+        starts = torch.nonzero(flat == 0).flatten().to(torch.int32)
+        cached = torch.cat([starts, starts.new_full((1,), flat.numel())])
+        position_ids._cu_seqlens = cached
+    return cached
+
+
+def sdpa_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
+    if position_ids is None:
+        out = F.scaled_dot_product_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), dropout_p=dropout_p, is_causal=True,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+    else:
+        out = F.scaled_dot_product_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), attn_mask=packed_causal_mask(position_ids),
+                                             dropout_p=dropout_p, enable_gqa=q.shape[2] != k.shape[2])
     return out.permute(2, 0, 1, 3)
 
 
-def cudnn_attention(q, k, v, dropout_p: float = 0.0):
+def cudnn_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
+    if position_ids is not None:
+        raise ValueError("cuDNN attention cannot isolate packed samples")  # refused at start-up (PACKING_BACKENDS)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     if q.dtype not in (torch.float16, torch.bfloat16):
         return sdpa_attention(q, k, v, dropout_p)  # cuDNN's fused attention is half precision only
@@ -48,30 +80,46 @@ def cudnn_attention(q, k, v, dropout_p: float = 0.0):
     return out.permute(2, 0, 1, 3)
 
 
-def _flash_function() -> tuple[Optional[Callable], str]:
-    """(function, version) of the installed flash-attn: 2.x first, then flash-attn-4 (CuTe)."""
-    try:
-        from flash_attn import flash_attn_func
-        return flash_attn_func, "2"
-    except ImportError:
-        pass
-    try:
-        from flash_attn.cute import flash_attn_func
-        return flash_attn_func, "4"
-    except ImportError:
-        return None, ""
+def _flash_function(varlen: bool = False) -> tuple[Optional[Callable], str]:
+    """(function, version) of the installed flash-attn: 2.x first, then flash-attn-4 (CuTe);
+    ``varlen``: the variable-length entry (concatenated samples, ``cu_seqlens``) instead."""
+    name = "flash_attn_varlen_func" if varlen else "flash_attn_func"
+    for module, version in (("flash_attn", "2"), ("flash_attn.cute", "4")):
+        try:
+            return getattr(importlib.import_module(module), name), version
+        except (ImportError, AttributeError):
+            continue
+    return None, ""
+
+
+def _flash_varlen(fn, q, k, v, dropout_p: float, position_ids, version: str):
+    """Packed rows as flash-attn's variable-length batch: the rows laid end to end, one "sequence"
+    per sample, so no query sees another sample's keys."""
+    s, b = q.shape[:2]
+    cu = sample_starts(position_ids)
+    q, k, v = (t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+    lengths = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=s, max_seqlen_k=s)
+    if version == "2":
+        out = fn(q, k, v, dropout_p=dropout_p, causal=True, **lengths)
+    else:
+        out = fn(q, k, v, causal=True, **lengths)
+        out = out[0] if isinstance(out, tuple) else out
+    return out.view(b, s, *out.shape[1:]).transpose(0, 1)
 
 
 def make_flash_attention() -> Callable:
     fn, version = _flash_function()
+    varlen, _ = _flash_function(varlen=True)
 
     # Outside compiled graphs: flash-attn-4's CuTe kernels are not traceable by dynamo (the
     # layer's graph breaks around this call). Both versions take [b, s, h, d] views with any
     # aligned strides and copy only when they must, so no transpose is materialised here.
     @torch.compiler.disable
-    def flash_attention(q, k, v, dropout_p: float = 0.0):
+    def flash_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
         if q.dtype not in (torch.float16, torch.bfloat16):
-            return sdpa_attention(q, k, v, dropout_p)  # flash-attn kernels are half precision only
+            return sdpa_attention(q, k, v, dropout_p, position_ids)  # flash-attn kernels are half precision only
+        if position_ids is not None:
+            return _flash_varlen(varlen, q, k, v, dropout_p, position_ids, version)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         if version == "2":
             out = fn(q, k, v, dropout_p=dropout_p, causal=True)
@@ -97,7 +145,9 @@ class TEAttention:
         self.module = te.DotProductAttention(heads, head_dim, num_gqa_groups=groups, attention_dropout=dropout,
                                              qkv_format="sbhd", attn_mask_type="causal")
 
-    def __call__(self, q, k, v, dropout_p: float = 0.0):
+    def __call__(self, q, k, v, dropout_p: float = 0.0, position_ids=None):
+        if position_ids is not None:
+            raise ValueError("TE attention is not wired for packed samples")  # refused at start-up (PACKING_BACKENDS)
         if self.module.training != bool(dropout_p):
             self.module.train(bool(dropout_p))
         s, b, h, d = q.shape
@@ -130,9 +180,18 @@ def _available(name: str) -> tuple[bool, str]:
 CUDNN_IN_GRAPHS_FROM = (128, 256)
 
 
-def resolve_backend(name: str, attention_dropout: float = 0.0, graphed_shape: tuple[int, int] | None = None) -> tuple[str, str]:
+# Backends that keep packed samples apart (--packing): SDPA with a block-diagonal causal mask,
+# flash-attn's variable-length kernels. cuDNN's SDPA entry and TE's sbhd layout are not wired for it.
+PACKING_BACKENDS = ("sdpa", "flash")
+
+
+def resolve_backend(name: str, attention_dropout: float = 0.0, graphed_shape: tuple[int, int] | None = None,
+                    packing: bool = False) -> tuple[str, str]:
     """(backend, why) for ``--attention-backend name``; raises ValueError (one sentence) if unusable.
-    ``graphed_shape``: (head dim, sequence length) when the layers are captured as CUDA graphs."""
+    ``graphed_shape``: (head dim, sequence length) when the layers are captured as CUDA graphs;
+    ``packing``: rows hold several samples that must not see each other."""
+    if packing:
+        return _resolve_packing(name, attention_dropout)
     cudnn_fits_graphs = graphed_shape is None or all(a >= b for a, b in zip(graphed_shape, CUDNN_IN_GRAPHS_FROM))
     if name != "auto":
         ok, why_not = _available(name)
@@ -153,6 +212,22 @@ def resolve_backend(name: str, attention_dropout: float = 0.0, graphed_shape: tu
             return "cudnn", "auto: no flash-attn; cuDNN fused attention on a Hopper-class GPU"
         return "sdpa", "auto: no flash-attn; cuDNN attention is not captured in CUDA graphs at this small a shape"
     return "sdpa", "auto: no flash-attn and no Hopper GPU"
+
+
+def _resolve_packing(name: str, attention_dropout: float) -> tuple[str, str]:
+    if name in ("cudnn", "te"):
+        raise ValueError(f"--attention-backend {name} cannot keep packed samples apart (--packing); use flash (variable-length "
+                         "kernels), sdpa (a block-diagonal mask) or auto.")
+    varlen, version = _flash_function(varlen=True) if torch.cuda.is_available() else (None, "")
+    if name == "flash" and varlen is None:
+        raise ValueError("--attention-backend flash with --packing needs flash-attn's flash_attn_varlen_func, which is not installed.")
+    if name == "flash" and attention_dropout and version == "4":
+        raise ValueError("--attention-backend flash (flash-attn-4) has no attention dropout; use sdpa or --attention-dropout 0.")
+    if name != "auto":
+        return name, "requested (packed samples apart)"
+    if varlen is not None and not (attention_dropout and version == "4"):
+        return "flash", f"auto with --packing: flash-attn {version}'s variable-length kernels"
+    return "sdpa", "auto with --packing: SDPA with a block-diagonal causal mask (no flash-attn)"
 
 
 def make_attention_core(backend: str, *, heads: int, groups: int, head_dim: int, dropout: float) -> Callable:

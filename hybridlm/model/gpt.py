@@ -10,7 +10,11 @@ Every layer is built through a ``ParallelPlan`` (the layer factory from
 ``hybridlm.parallel.plan``): the blocks never ask whether they are tensor- or
 sequence-parallel; the plan hands out linears whose outputs or inputs are split and
 says where activations enter the sequence-sharded region. Each block takes one tensor
-and returns one, so the list of blocks is also the pipeline's list of stages' layers.
+and returns one, so the list of blocks is also the pipeline's list of stages' layers;
+with packed samples (fine-tuning) that "tensor" is the pair (activations, position ids
+[b, s]), which the pipeline engine sends between stages with the activations: the
+positions restart at 0 where a sample begins, which is all RoPE and attention need to
+keep samples apart.
 """
 from __future__ import annotations
 
@@ -73,15 +77,19 @@ class Embedding(nn.Module):
             self.position_embeddings = plan.replicated(table, init_std=cfg.init_method_std)
         self.dropout = cfg.hidden_dropout
 
-    def forward(self, tokens):
+    def forward(self, inputs):
+        """``inputs``: tokens [b, s], or (tokens, position ids [b, s]) for packed samples (then the
+        output is (hidden states, position ids) for the layers after it)."""
+        tokens, positions = inputs if isinstance(inputs, tuple) else (inputs, None)
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings[: x.shape[0]].unsqueeze(1)
+            table = self.position_embeddings
+            x = x + (table[: x.shape[0]].unsqueeze(1) if positions is None else table[positions.t()])
         x = self.plan.enter_sequence_region(x)
         if self.dropout and self.training:
             with self.plan.region_rng():
                 x = F.dropout(x, self.dropout)
-        return x
+        return x if positions is None else (x, positions)
 
 
 class Attention(nn.Module):
@@ -97,37 +105,39 @@ class Attention(nn.Module):
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
                        if cfg.position_embedding_type == "rope" else None)
-        backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape)
+        backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape,
+                                     packing=cfg.packed_samples)
         self.core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
                                         groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
                                         dropout=cfg.attention_dropout)
         self.dropout = cfg.attention_dropout
         self.selective_recompute = selective_recompute
 
-    def _core(self, q, k, v):
+    def _core(self, q, k, v, positions=None):
         if not (self.dropout and self.training):
             # no random numbers drawn: skip the RNG-tracker fork (a state swap that also
             # splits a compiled layer into two graphs)
-            return self.core(q, k, v, 0.0)
+            return self.core(q, k, v, 0.0, positions)
         with self.plan.split_rng():
-            return self.core(q, k, v, self.dropout)
+            return self.core(q, k, v, self.dropout, positions)
 
-    def forward(self, x):
-        return self.proj(self.mix(self.qkv(x)))
+    def forward(self, x, positions=None):
+        return self.proj(self.mix(self.qkv(x), positions))
 
-    def mix(self, qkv):
-        """What lies between the two linears: split into heads, RoPE, attention, merge heads."""
+    def mix(self, qkv, positions=None):
+        """What lies between the two linears: split into heads, RoPE, attention, merge heads.
+        ``positions`` [b, s]: packed samples (RoPE at each token's own position, no attention across samples)."""
         q, k, v = qkv.split(self.qkv.local_sizes, dim=-1)
         s, b = q.shape[:2]
         q = q.view(s, b, -1, self.head_dim)
         k = k.reshape(s, b, -1, self.head_dim)
         v = v.reshape(s, b, -1, self.head_dim)
         if self.rotary is not None:
-            q, k = self.rotary.apply(q), self.rotary.apply(k)
+            q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
         if self.selective_recompute and self.training:
-            out = self.plan.checkpoint(self._core, q, k, v)
+            out = self.plan.checkpoint(self._core, q, k, v, *(() if positions is None else (positions,)))
         else:
-            out = self._core(q, k, v)
+            out = self._core(q, k, v, positions)
         return out.reshape(s, b, -1)
 
 
@@ -208,8 +218,8 @@ class TransformerLayer(nn.Module):
         with self.plan.region_rng():
             return F.dropout(x, self.dropout)
 
-    def _forward(self, x):
-        x = x + self._residual_dropout(self.attention(self.attention_input(x)))
+    def _forward(self, x, positions=None):
+        x = x + self._residual_dropout(self.attention(self.attention_input(x), positions))
         return x + self._residual_dropout(self.mlp(self.mlp_input(x)))
 
     def compile_body(self, backend="inductor") -> None:
@@ -236,20 +246,27 @@ class TransformerLayer(nn.Module):
             self.post_attention_norm.compile(backend=backend)
             self.mlp.compile(backend=backend)
 
-    def _unit_forward(self, x):
+    def _unit_forward(self, x, positions=None):
         for layer in (self, *self.recompute_unit):
-            x = layer._forward(x)
+            x = layer._forward(x, positions)
         return x
 
-    def forward(self, x):
+    def forward(self, inputs):
+        """hidden states -> hidden states, or (hidden states, position ids) -> the same pair."""
+        if isinstance(inputs, tuple):
+            x, positions = inputs
+            return self._run(x, positions), positions
         if self.graph is not None and self.training:
-            return self.graph(x)  # FP8 autocast: the model's, around all layers
+            return self.graph(inputs)  # FP8 autocast: the model's, around all layers
+        return self._run(inputs)
+
+    def _run(self, x, positions=None):
         if self.computed_by_unit and self.training:
             return x  # the first layer of its recompute unit ran this one
         with self.plan.layer_context():
             if self.recompute and self.training:
-                return self.plan.checkpoint(self._unit_forward, x)
-            return self._forward(x)
+                return self.plan.checkpoint(self._unit_forward, *((x,) if positions is None else (x, positions)))
+            return self._forward(x, positions)
 
 
 class FinalNorm(nn.Module):
@@ -257,8 +274,9 @@ class FinalNorm(nn.Module):
         super().__init__()
         self.norm = make_norm(cfg, plan)
 
-    def forward(self, x):
-        return self.norm(x)
+    def forward(self, inputs):
+        """The position ids stop here: the head and the loss need only the hidden states."""
+        return self.norm(inputs[0] if isinstance(inputs, tuple) else inputs)
 
 
 class OutputLayer(nn.Module):

@@ -34,7 +34,7 @@ def layer_specs(cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bo
 
 
 class SequentialModel(nn.Module):
-    """All specs built in one process: forward(tokens, labels) -> loss, or logits without labels.
+    """All specs built in one process: forward(inputs, labels) -> loss, or logits without labels.
     ``context`` wraps the run of transformer layers (the plan's layer context: FP8 autocast,
     entered once around all of them, not only per layer, so that TE updates its scaling once
     per pass; the embedding and output head stay outside, in bf16)."""
@@ -57,8 +57,9 @@ class SequentialModel(nn.Module):
         blocks = [i for i, f in enumerate(self.forward_funcs) if isinstance(f, TransformerLayer)]
         self.block_span = (blocks[0], blocks[-1] + 1) if blocks else (0, 0)
 
-    def forward(self, tokens, labels=None):
-        x = tokens
+    def forward(self, inputs, labels=None):
+        """``inputs``: tokens, or (tokens, position ids) for packed rows; ``labels``: what the loss takes."""
+        x = inputs
         first, end = self.block_span
         for layer in self.forward_funcs[:first]:
             x = layer(x)
@@ -70,10 +71,12 @@ class SequentialModel(nn.Module):
         return x if labels is None else self.loss_fn(x, labels)
 
 
-def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selective_recompute: bool = False) -> nn.Module:
-    """A PipelineModule when ``topology`` has more than one stage, else a SequentialModel."""
+def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selective_recompute: bool = False,
+                loss=None) -> nn.Module:
+    """A PipelineModule when ``topology`` has more than one stage, else a SequentialModel.
+    ``loss(logits, labels)`` ends the model (default: the mean next-token loss, ``LMLoss``)."""
     specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
-    loss = LMLoss(plan, cfg.vocab_size)
+    loss = loss or LMLoss(plan, cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
         return PipelineModule(layers=specs, loss_fn=loss, topology=topology,
                               partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)

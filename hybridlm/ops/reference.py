@@ -15,10 +15,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the half-rotation layout. x [s, b, heads, d]; cos, sin [s, d] fp32."""
+    """RoPE in the half-rotation layout. x [s, b, heads, d]; cos, sin [s, d] fp32, or [s, b, d]
+    when each row has its own positions (packed samples)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos, sin = cos[:, None, None, :].to(x.dtype), sin[:, None, None, :].to(x.dtype)
+    at = (slice(None), None, None) if cos.dim() == 2 else (slice(None), slice(None), None)
+    cos, sin = cos[at].to(x.dtype), sin[at].to(x.dtype)
     return (x * cos) + (rotated * sin)
 
 

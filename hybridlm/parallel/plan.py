@@ -19,8 +19,8 @@ from .moe import MoELayer
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_matmul,
-                              copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter,
+from .tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              column_parallel_matmul, copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter,
                               vocab_parallel_cross_entropy)
 
 
@@ -154,4 +154,5 @@ class ParallelPlan:
 def _local_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy in fp32 of full-vocabulary logits [..., vocab] (TP=1)."""
     flat = logits.reshape(-1, logits.shape[-1]).float()
-    return torch.nn.functional.cross_entropy(flat, target.reshape(-1), reduction="none").view(target.shape)
+    return torch.nn.functional.cross_entropy(flat, target.reshape(-1), reduction="none",
+                                             ignore_index=IGNORE_INDEX).view(target.shape)

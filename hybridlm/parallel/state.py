@@ -82,6 +82,12 @@ class ParallelState:
         return mine
 
     @property
+    def grad_reduction(self) -> GroupHandle:
+        """The ranks DeepSpeed averages dense gradients over (DP here; with context parallelism DP x CP):
+        a loss normalised by a global count sums that count over this group."""
+        return self.dp
+
+    @property
     def is_first_stage(self) -> bool:
         return self.stage == 0
 

@@ -24,6 +24,8 @@ from torch import nn
 from .sequence import gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
 from .state import GroupHandle
 
+IGNORE_INDEX = -100  # a label that takes no part in the loss (PyTorch's and Hugging Face's convention)
+
 
 @dataclass(frozen=True)
 class Sharding:
@@ -209,7 +211,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Columns at or beyond ``vocab_size`` are vocabulary padding (a multiple of 128 x TP, so
     its amount depends on TP): they are left out of the softmax, so the loss and gradients
-    are those of the unpadded model at every TP; their gradient is zero."""
+    are those of the unpadded model at every TP; their gradient is zero. A target equal to
+    ``IGNORE_INDEX`` (a prompt or padding position in fine-tuning) gets loss 0 and no gradient."""
 
     @staticmethod
     def forward(ctx, logits, target, tp, vocab_size):
@@ -227,8 +230,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if tp.size > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
         shifted = logits - local_max.unsqueeze(-1)
+        ignored = target == IGNORE_INDEX
         local_target = target - start
-        outside = (local_target < 0) | (local_target >= valid)
+        outside = (local_target < 0) | (local_target >= valid) | ignored
         local_target = local_target.masked_fill(outside, 0)
         if valid:
             target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
@@ -240,14 +244,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             both = torch.stack([target_logit, sum_exp])
             dist.all_reduce(both, group=tp.group)
             target_logit, sum_exp = both[0], both[1]
-        loss = sum_exp.log() - target_logit
+        loss = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
+        ctx.save_for_backward(softmax, local_target, outside, ignored)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
+        softmax, local_target, outside, ignored = ctx.saved_tensors
+        grad_loss = grad_loss.masked_fill(ignored, 0.0)
         grad = softmax
         if ctx.valid:
             grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
@@ -262,7 +267,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp: GroupHandle,
                                  vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss (fp32 or wider) for logits [..., padded vocab/TP] and targets [...] in
-    full-vocabulary ids; ``vocab_size`` (default: all columns) leaves the padding out."""
+    full-vocabulary ids (``IGNORE_INDEX``: loss 0); ``vocab_size`` (default: all columns) leaves the padding out."""
     if vocab_size is None:
         vocab_size = logits.shape[-1] * tp.size
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size)

@@ -90,9 +90,11 @@ def check_load(load_dir: str | None, step: int | None, cfg) -> None:
     check_loadable(os.path.join(load_dir, tag), cfg)
 
 
-def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None, cfg=None, ps=None) -> None:
+def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None, cfg=None, ps=None,
+         text_files: dict | None = None) -> None:
     """With ``cfg`` and ``ps`` the tag also gets its layout and settings (read by reshape and the
-    converters) and every EP rank's experts (DeepSpeed's files hold EP rank 0's only)."""
+    converters) and every EP rank's experts (DeepSpeed's files hold EP rank 0's only).
+    ``text_files`` {name: text}: more files for the tag (the chat template a fine-tuning run used)."""
     tag = tag_for(iteration)
     engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False)
     _atomic_torch_save(rng_state(), _rng_file(directory, tag, dist.get_rank()))
@@ -100,6 +102,9 @@ def save(engine, directory: str, *, iteration: int, client_state: dict, keep_las
         save_expert_weights(engine.module, os.path.join(directory, tag), Layout.of_run(cfg), ps)
         if dist.get_rank() == 0:
             write_info(os.path.join(directory, tag), cfg, iteration, expert_files=cfg.model.num_experts is not None)
+    if dist.get_rank() == 0:
+        for name, text in (text_files or {}).items():
+            atomic_write_text(os.path.join(directory, tag, name), text)
     dist.barrier()  # every rank has written every file of this tag
     if dist.get_rank() == 0:
         atomic_write_text(os.path.join(directory, LATEST), tag)

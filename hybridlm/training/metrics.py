@@ -108,7 +108,8 @@ class StepLog:
             self.file = open(metrics_file, "a")
 
     def record(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, step_seconds: float,
-               total_iters: int, skipped_steps: int = 0, moe: dict | None = None) -> dict:
+               total_iters: int, skipped_steps: int = 0, moe: dict | None = None, extra: dict | None = None) -> dict:
+        """``extra``: the task's values (fine-tuning: loss tokens and their rate, DPO's rewards), logged as given."""
         tokens_per_sec = self.tokens_per_step / step_seconds
         tflops = self.flops_per_step / step_seconds / self.world_size / 1e12
         record = {
@@ -122,6 +123,7 @@ class StepLog:
         if moe is not None:  # see moe_metrics.collect_moe_stats
             record.update(moe_aux_loss=moe["aux_loss"], moe_z_loss=moe["z_loss"], moe_dropped_fraction=moe["dropped_fraction"],
                           moe_layers=moe["layers"])
+        record.update(extra or {})
         if self.enabled:
             mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
             mem = f" | mem {record['max_memory_gib']:.1f} GiB" if "max_memory_gib" in record else ""
@@ -133,6 +135,8 @@ class StepLog:
                   f"eta {eta / 60:.1f} min", flush=True)
             if moe is not None:
                 print(_moe_line(moe), flush=True)
+            if extra:
+                print("    " + " | ".join(f"{k} {_number(v)}" for k, v in extra.items()), flush=True)
             self._write(record)
         return record
 
@@ -151,6 +155,10 @@ class StepLog:
     def close(self) -> None:
         if self.file:
             self.file.close()
+
+
+def _number(value) -> str:
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4f}"
 
 
 def _moe_line(moe: dict) -> str:

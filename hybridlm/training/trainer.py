@@ -24,9 +24,6 @@ from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
-from ..data.builtin import builtin_prefix
-from ..data.gpt_dataset import build_gpt_datasets
-from ..data.mock import MockDocuments
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import resolve_backend
@@ -51,6 +48,7 @@ from .moe_metrics import collect_moe_stats
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
+from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
 
@@ -61,7 +59,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     d = cfg.data
     if d.mock_data and d.data_path is not None:
         raise ConfigError("--mock-data cannot be combined with --data-path; give one of them.")
-    if d.data_path is None and not d.mock_data and d.tokenizer_type != "ByteTokenizer":
+    if d.data_path is None and not d.mock_data and d.tokenizer_type != "ByteTokenizer" and cfg.posttrain.task == "pretrain":
         raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --data-path (or --mock-data): the built-in corpus is stored as bytes.")
     tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, cfg.model.vocab_size)
     if cfg.model.vocab_size is None:
@@ -75,6 +73,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     if cfg.train.bf16 and not accelerator.is_bf16_supported():
         raise ConfigError(f"--bf16 is not supported by DeepSpeed on this device ({accelerator.device_name()}); use fp32.")
     check_model_impl(cfg)
+    build_task(cfg).check()
     checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
     checkpoint.check_load(cfg.train.load, cfg.train.ckpt_step, cfg)
     StepProfiler.parse(cfg.train.profile_step_range)
@@ -93,7 +92,7 @@ def check_model_impl(cfg: RunConfig) -> str:
     """The attention kernel and linear-layer library are usable here; returns the attention line for the log."""
     m = cfg.model
     try:
-        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape)
+        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape, packing=m.packed_samples)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     te_usable = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
@@ -120,20 +119,26 @@ class Run:
     ps: ParallelState
     engine: object
     is_pipeline: bool
-    train_data: object = None  # anything with .batch(first, count) -> (tokens, labels)
+    train_data: object = None  # anything with .batch(first, count) -> (inputs, labels)
     valid_data: object = None
+    task: Optional[PretrainTask] = None  # what the loop trains (--task; default pretraining): data, loss, step micro-batches, log values
     iteration: int = 0
     phase: MicroBatchPhase = field(default_factory=MicroBatchPhase)  # read by TE's FP8 weight cache
     main_grads: Optional[MainGrads] = None  # --gradient-accumulation-fusion: zeroed before each step
     wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
 
+    def __post_init__(self):
+        if self.task is None:
+            self.task = PretrainTask(self.cfg)
+
     @property
     def tokens_per_step(self) -> int:
-        return self.cfg.train.global_batch_size * self.cfg.model.seq_length
+        return self.cfg.train.global_batch_size * self.task.rows_per_sample * self.cfg.model.seq_length
 
 
 def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     """Everything after validation: process groups, model, engine, resume."""
+    task = build_task(cfg)
     init_distributed(cfg.train.distributed_timeout_minutes)
     p = cfg.parallel
     ps = ParallelState(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
@@ -150,7 +155,8 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device(),
                         **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
-    model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
+    model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective",
+                        loss=task.loss(plan))
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
     set_aux_loss_scale(model, 1.0 / cfg.gradient_accumulation_steps)  # as DeepSpeed scales the LM loss
     if p.recompute_granularity == "full":
@@ -176,8 +182,9 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
         lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
-    train_data, valid_data = build_datasets(cfg)
-    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, phase=phase, main_grads=main_grads)
+    train_data, valid_data = task.datasets()
+    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, task, phase=phase, main_grads=main_grads)
+    task.prepare(run)  # DPO: the reference log-probabilities, before the policy is loaded
     if t.load:
         client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
         if client_state is None:
@@ -217,20 +224,8 @@ def release_parameter_views(params) -> None:
 
 
 def build_datasets(cfg: RunConfig) -> tuple:
-    """Train and validation samples (collective: one rank builds the index caches, the others wait)."""
-    t, d = cfg.train, cfg.data
-    prefixes = d.data_path or ([] if d.mock_data else [builtin_prefix()])
-    mock = None
-    if d.mock_data:
-        tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, cfg.model.vocab_size)
-        mock = MockDocuments(tokenizer.vocab_size, tokenizer.eod)
-    # Megatron-LM's count (training.py get_train_valid_test_num_samples): every evaluation draws fresh batches
-    valid_samples = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
-    train, valid, _ = build_gpt_datasets(prefixes, d.split, cfg.model.seq_length, t.seed,
-                                         (t.train_iters * t.global_batch_size, valid_samples, 0), d.data_cache_path, documents=mock)
-    if t.eval_interval and valid is None:
-        raise ConfigError(f"--eval-interval needs a validation split, but --split {d.split} gives it nothing.")
-    return train, valid
+    """Train and validation data of the run's task (collective: one rank builds index caches, the others wait)."""
+    return build_task(cfg).datasets()
 
 
 def data_iterator(run: Run, data=None, start_iteration: int | None = None) -> Iterator:
@@ -248,21 +243,23 @@ def evaluations_before(iteration: int, eval_interval: int) -> int:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean loss over ``--eval-iters`` global batches of the validation split (every rank). As in
-    Megatron-LM, each evaluation draws the batches after the previous one's, so the validation
-    samples are fresh each time (and the same after a resume)."""
+def evaluate(run: Run, data=None, iters: Optional[int] = None) -> float:
+    """Mean loss over ``iters`` (``--eval-iters``) global batches of ``data`` (every rank), each global
+    batch as the task's loss sees it in training. On the validation split (the default), as in
+    Megatron-LM, each evaluation draws the batches after the previous one's, so the validation samples
+    are fresh each time (and the same after a resume); other data is read from its start."""
     engine, t = run.engine, run.cfg.train
-    first = evaluations_before(run.iteration, t.eval_interval) * t.eval_iters
-    batches = data_iterator(run, run.valid_data, start_iteration=first)
+    first = evaluations_before(run.iteration, t.eval_interval) * t.eval_iters if data is None else 0
+    batches = data_iterator(run, run.valid_data if data is None else data, start_iteration=first)
     losses = []
-    for _ in range(t.eval_iters):
+    for _ in range(t.eval_iters if iters is None else iters):
         release_cached_memory(run, 1)
+        step = run.task.step_batches(run, batches)
         if run.is_pipeline:
-            losses.append(engine.eval_batch(batches).float())  # averaged over micro-batches and DP by DeepSpeed
+            losses.append(engine.eval_batch(step).float())  # averaged over micro-batches and DP by DeepSpeed
             continue
         engine.eval()
-        micro = [engine(*next(batches)).float() for _ in range(run.cfg.gradient_accumulation_steps)]
+        micro = [engine(*next(step)).float() for _ in range(run.cfg.gradient_accumulation_steps)]
         engine.train()
         loss = torch.stack(micro).mean()
         if run.ps.dp.size > 1:
@@ -281,6 +278,7 @@ def release_cached_memory(run: Run, level: int) -> None:
 def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     """One optimizer step over the global batch; returns the loss averaged over it (every rank)."""
     engine = run.engine
+    batches = run.task.step_batches(run, batches)  # this step's micro-batches, with what the task's loss needs
     if run.is_pipeline:
         loss = engine.train_batch(batches)
     else:
@@ -289,10 +287,10 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
             run.main_grads.zero_()
         for micro in range(run.cfg.gradient_accumulation_steps):
             with record_function("hybridlm.next_batch"):  # names in a --profile-step-range trace
-                tokens, labels = next(batches)
+                inputs, labels = next(batches)
             run.phase.first = micro == 0
             with record_function("hybridlm.forward"):
-                micro_loss = engine(tokens, labels)
+                micro_loss = engine(inputs, labels)
             with record_function("hybridlm.backward"):
                 engine.backward(micro_loss)
             release_cached_memory(run, 2)
@@ -312,7 +310,7 @@ def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
                     client_state={"consumed_samples": run.iteration * t.global_batch_size,
-                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps)
+                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps, text_files=run.task.checkpoint_files())
 
 
 def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
@@ -324,10 +322,10 @@ def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
         json.dump(ds_config, f, indent=2)
 
 
-def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
-    """The whole job. Returns the logged records (for tests and benchmarks)."""
+def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
+    """The whole job (any --task). Returns the logged records (for tests and benchmarks)."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
-    cfg, ds_config = prepare_config(parse_args(argv))
+    cfg, ds_config = prepare_config(parse(argv))
     early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
     run = build_run(cfg, ds_config)
     t = cfg.train
@@ -342,6 +340,8 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
               f"{check_model_impl(cfg)}", flush=True)
         for line in cfg.notes:  # what the Megatron-LM flags given map to here
             print(f"hybridlm: {line}", flush=True)
+        if run.task.describe():
+            print(f"hybridlm: {run.task.describe()}", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
@@ -379,10 +379,11 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
                 now = time.perf_counter()
                 grad_norm = run.engine.get_global_grad_norm()
                 moe = collect_moe_stats(run.engine.module, cfg, run.ps)  # collective; None for a dense model
+                extra = run.task.log_values(run, now - started)  # collective
                 records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr, skipped_steps=run.engine.skipped_steps,
                                           grad_norm=float(grad_norm) if grad_norm is not None else None,
                                           step_seconds=(now - started) / (run.iteration - last_logged),
-                                          total_iters=t.train_iters, moe=moe))
+                                          total_iters=t.train_iters, moe=moe, extra=extra))
                 log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
                 last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
@@ -413,11 +414,12 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
     return records
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point for scripts/pretrain.py: bad input is one sentence and exit code 2 on every rank."""
+def main(argv: Optional[list[str]] = None, parse=parse_args) -> int:
+    """Entry point for scripts/pretrain.py (and finetune.py, with its ``parse``): bad input is one
+    sentence and exit code 2 on every rank."""
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
-        pretrain(argv)
+        pretrain(argv, parse)
     except (ConfigError, TrainingStopped) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3

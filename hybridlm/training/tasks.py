@@ -1,0 +1,243 @@
+"""What the one training loop trains (``--task``): each task supplies its data, the loss the model
+ends in, the step's micro-batches ("batch -> loss") and the values it adds to the log.
+
+    pretrain  next-token loss on every token of ``preprocess_data`` samples (the model's LMLoss)
+    sft       masked next-token loss on the replies of ``preprocess_chat`` conversations, normalised
+              by the global batch's loss tokens; rows packed with ``--packing``
+    dpo       a preference loss on ``preprocess_chat`` pairs against reference log-probabilities
+              computed once before training (``hybridlm.training.reference``)
+
+A fine-tuning step first reads all of its micro-batches, counts what the loss is normalised by
+(loss tokens, chosen reply tokens) and sums that count over the ranks that reduce gradients, so
+that every micro-batch can carry its share (``losses``): the objective is the global batch's,
+whatever GAS, DP and micro-batch size.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError, RunConfig
+from ..data.builtin import builtin_prefix
+from ..data.chat_dataset import ChatData, DPOPairs, SFTRows, check_tokenizer
+from ..data.chat_template import TEMPLATE_FILE
+from ..data.gpt_dataset import build_gpt_datasets
+from ..data.mock import MockDocuments
+from ..data.tokenizers import build_tokenizer
+from ..parallel.tensor_parallel import IGNORE_INDEX
+from .losses import DPO_METRICS, DPOLoss, MaskedLMLoss
+
+
+class PretrainTask:
+    """Next-token prediction on every token (the model's own LMLoss)."""
+    name = "pretrain"
+    rows_per_sample = 1
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def check(self) -> None:
+        """Before any process group: the data suits the task (files read, nothing launched)."""
+
+    def loss(self, plan):
+        return None  # the model's LMLoss
+
+    def datasets(self) -> tuple:
+        """Train and validation samples (collective: one rank builds the index caches, the others wait)."""
+        t, d = self.cfg.train, self.cfg.data
+        prefixes = d.data_path or ([] if d.mock_data else [builtin_prefix()])
+        mock = None
+        if d.mock_data:
+            tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, self.cfg.model.vocab_size)
+            mock = MockDocuments(tokenizer.vocab_size, tokenizer.eod)
+        # Megatron-LM's count (training.py get_train_valid_test_num_samples): every evaluation draws fresh batches
+        valid_samples = (t.train_iters // t.eval_interval + 1) * t.eval_iters * t.global_batch_size if t.eval_interval else 0
+        train, valid, _ = build_gpt_datasets(prefixes, d.split, self.cfg.model.seq_length, t.seed,
+                                             (t.train_iters * t.global_batch_size, valid_samples, 0), d.data_cache_path,
+                                             documents=mock)
+        if t.eval_interval and valid is None:
+            raise ConfigError(f"--eval-interval needs a validation split, but --split {d.split} gives it nothing.")
+        return train, valid
+
+    def prepare(self, run) -> None:
+        """After the engine exists, before --load (DPO computes its reference here)."""
+
+    def step_batches(self, run, batches: Iterator) -> Iterator:
+        """The micro-batches of one optimizer step, as the engine takes them."""
+        return itertools.islice(batches, self.cfg.gradient_accumulation_steps)
+
+    def log_values(self, run, seconds: float) -> dict:
+        """Extra values for the log record since the last call (collective)."""
+        return {}
+
+    def describe(self) -> str:
+        return ""
+
+    def checkpoint_files(self) -> dict:
+        """{name: text} saved in each checkpoint beside the weights."""
+        return {}
+
+
+class ChatTask(PretrainTask):
+    """What SFT and DPO share: the chat data, its tokenizer check, the global counts."""
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.data = None
+        self.loss_tokens = self.last_step_tokens = 0
+
+    def chat_data(self) -> ChatData:
+        if self.data is None:
+            d = self.cfg.data
+            self.data = ChatData(str(d.data_path[0]).split()[0])
+            check_tokenizer(self.data, d.tokenizer_type, d.tokenizer_model)
+        return self.data
+
+    def checkpoint_files(self) -> dict:
+        """The chat template the data was rendered with: the export hands it on with the model."""
+        text = self.chat_data().manifest["template"].get("text")
+        return {TEMPLATE_FILE: text} if text else {}
+
+    def pad_id(self) -> int:
+        d = self.cfg.data
+        return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file).pad
+
+    @staticmethod
+    def global_sum(run, counts: list) -> list:
+        """``counts`` (device tensors of this rank's micro-batches) summed over the ranks that reduce
+        gradients (DP; DP x CP with context parallelism): one all-reduce and one host read per step."""
+        total = torch.stack([c.to(torch.float64) for c in counts])
+        group = run.ps.grad_reduction
+        if group.size > 1:
+            dist.all_reduce(total, group=group.group)
+        return total.tolist()
+
+    def scale(self, run, count: float) -> torch.Tensor:
+        """What each micro-batch's sum is multiplied by so that DeepSpeed's 1/GAS and its average over
+        the reducing ranks leave sum / ``count`` (losses.py)."""
+        factor = self.cfg.gradient_accumulation_steps * run.ps.grad_reduction.size / max(count, 1.0)
+        return torch.tensor([factor], dtype=torch.float32, device=run.engine.device)
+
+    def log_values(self, run, seconds: float) -> dict:
+        values = {"loss_tokens": self.last_step_tokens, "loss_tokens_per_sec": self.loss_tokens / max(seconds, 1e-9)}
+        self.loss_tokens = 0
+        return values
+
+
+class SFTTask(ChatTask):
+    name = "sft"
+
+    def check(self) -> None:
+        data = self.chat_data()
+        if data.kind != "sft":
+            raise ConfigError(f"--data-path {data.prefix} holds preference pairs; train them with --task dpo.")
+
+    def loss(self, plan):
+        return MaskedLMLoss(plan, self.cfg.model.vocab_size)
+
+    def datasets(self) -> tuple:
+        rows = SFTRows(self.chat_data(), self.cfg.model.seq_length, self.cfg.train.seed, self.pad_id(), self.cfg.posttrain.packing)
+        self.truncated = rows.truncated
+        return rows, None
+
+    def step_batches(self, run, batches: Iterator) -> Iterator:
+        micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
+        [count] = self.global_sum(run, [sum((labels != IGNORE_INDEX).sum() for _, labels in micro)])
+        self.last_step_tokens = int(count)
+        self.loss_tokens += int(count)
+        scale = self.scale(run, count)
+        return iter([(inputs, (labels, scale)) for inputs, labels in micro])
+
+    def describe(self) -> str:
+        packing = "packed rows" if self.cfg.posttrain.packing else "one conversation per row"
+        return (f"sft on {self.data.manifest['samples']:,} conversations, {packing}, loss per reply token over the global batch"
+                + (f"; {self.truncated} longer than --seq-length + 1 keep their start" if self.truncated else ""))
+
+
+class DPOTask(ChatTask):
+    name = "dpo"
+    rows_per_sample = 2  # a pair is a chosen row and a rejected row
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.reference = None  # [pairs, 2] float64 reference log-prob sums (None: --reference none)
+        self.reference_tag = None  # the checkpoint folder they came from
+        self.reference_seconds = None  # how long computing them took (None: read from the cache or not needed)
+        self.dpo_loss = None
+
+    def check(self) -> None:
+        data = self.chat_data()
+        if data.kind != "preference":
+            raise ConfigError(f"--data-path {data.prefix} holds supervised conversations; train them with --task sft.")
+        DPOPairs(data, self.cfg.model.seq_length, self.cfg.train.seed, 0)  # refuses prompts that leave no room
+
+    def loss(self, plan):
+        f = self.cfg.posttrain
+        self.dpo_loss = DPOLoss(plan, self.cfg.model.vocab_size, beta=f.dpo_beta, kind=f.dpo_loss,
+                                smoothing=f.dpo_label_smoothing, rpo_alpha=f.rpo_alpha)
+        return self.dpo_loss
+
+    def datasets(self) -> tuple:
+        self.pairs = DPOPairs(self.chat_data(), self.cfg.model.seq_length, self.cfg.train.seed, self.pad_id())
+        return self.pairs, None
+
+    def prepare(self, run) -> None:
+        if self.cfg.posttrain.reference == "precompute":
+            from .reference import reference_logps
+            self.reference = reference_logps(run, self)
+
+    def checkpoint_files(self) -> dict:
+        files = super().checkpoint_files()
+        if self.reference_tag:  # a resumed run keeps this reference, though its --load is then the policy
+            from .reference import REFERENCE_FILE
+            files[REFERENCE_FILE] = json.dumps({"reference": self.reference_tag}) + "\n"
+        return files
+
+    def step_batches(self, run, batches: Iterator) -> Iterator:
+        micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
+        chosen, tokens = self.global_sum(run, [sum((labels[: len(ids)] != IGNORE_INDEX).sum() for _, (labels, ids) in micro),
+                                               sum((labels != IGNORE_INDEX).sum() for _, (labels, _) in micro)])
+        self.last_step_tokens = int(tokens)
+        self.loss_tokens += int(tokens)
+        pair_scale = self.scale(run, self.cfg.train.global_batch_size)
+        token_scale = self.scale(run, chosen)
+        return iter([(rows, (labels, self._reference_rows(ids, labels.device), pair_scale, token_scale))
+                     for rows, (labels, ids) in micro])
+
+    def _reference_rows(self, pair_ids: torch.Tensor, device) -> torch.Tensor:
+        """Reference log-prob sums of a micro-batch's rows: its pairs' chosen, then their rejected."""
+        if self.reference is None:
+            return torch.zeros(2 * len(pair_ids), dtype=torch.float32, device=device)
+        ids = pair_ids.cpu().numpy()
+        rows = np.concatenate([self.reference[ids, 0], self.reference[ids, 1]])
+        return torch.from_numpy(rows).to(device=device, dtype=torch.float32)
+
+    def log_values(self, run, seconds: float) -> dict:
+        sums = self.dpo_loss.take_sums(run.engine.device)
+        for group in (run.ps.grad_reduction, run.ps.pp):  # only the last stage computed them
+            if group.size > 1:
+                dist.all_reduce(sums, group=group.group)
+        pairs = max(sums[-1].item(), 1.0)
+        values = {name: sums[i].item() / pairs for i, name in enumerate(DPO_METRICS)}
+        values.update(super().log_values(run, seconds))
+        return values
+
+    def describe(self) -> str:
+        f = self.cfg.posttrain
+        smoothing = f" label smoothing {f.dpo_label_smoothing}" if f.dpo_label_smoothing else ""
+        rpo = f", RPO alpha {f.rpo_alpha}" if f.rpo_alpha else ""
+        return (f"dpo on {self.pairs.num_pairs:,} pairs, {f.dpo_loss} loss{smoothing}, beta {f.dpo_beta}{rpo}, "
+                f"reference {'none' if f.reference == 'none' else self.reference_tag}")
+
+
+TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask}
+
+
+def build_task(cfg: RunConfig) -> PretrainTask:
+    return TASKS[cfg.posttrain.task](cfg)
+
