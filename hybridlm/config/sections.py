@@ -12,13 +12,16 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = flag(1, "TP: ranks that split each weight matrix.")
     pipeline_model_parallel_size: int = flag(1, "PP: pipeline stages (DeepSpeed's 1F1B engine when > 1).")
-    expert_model_parallel_size: int = flag(1, "EP: ranks that split the experts (carved out of DP).")
+    expert_model_parallel_size: int = flag(1, "EP: ranks that split the experts (carved out of DP x CP).")
+    context_parallel_size: int = flag(1, "CP: ranks that split each sample's sequence (long context); to DeepSpeed they are data-parallel replicas.")
+    cp_comm_type: str = flag("p2p", "How CP ranks attend over the whole sequence: p2p (ring attention, K/V passed around), a2a (all-to-all to heads, Ulysses), allgather (K/V gathered).",
+                             choices=("p2p", "a2a", "allgather"))
     sequence_parallel: bool = flag(False, "Megatron sequence parallelism: shard norms/dropout activations over TP.")
     recompute_granularity: Optional[str] = flag(None, "Activation recompute: whole layers or only core attention.", choices=("full", "selective"))
     recompute_num_layers: Optional[int] = flag(None, "With full recompute: recompute the first N layers of each stage (default: all).")
     partition_activations: Optional[bool] = flag(None, "Split checkpointed activations over TP (default: on with TP>1 and full recompute, off with SP).")
     zero_stage: int = flag(0, "Derived from the DeepSpeed JSON.", cli=False)
-    data_parallel_size: int = flag(1, "Derived: world / (TP x PP).", cli=False)
+    data_parallel_size: int = flag(1, "Derived: world / (TP x PP x CP).", cli=False)
 
 
 @dataclass

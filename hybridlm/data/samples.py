@@ -6,7 +6,10 @@ global batch of step ``t`` is samples
 ``[t*G, (t+1)*G)``; micro-step ``m`` of DP rank ``r`` takes the ``r``-th of the DP slices of
 its chunk. Every layout therefore sees exactly the same samples in each step, which is
 what lets a parallel run equal the single-process run, and the position to resume from
-is simply ``consumed_samples = t*G``.
+is simply ``consumed_samples = t*G``. Under context parallelism each CP rank of a DP rank
+reads the same samples and keeps its slice of each sequence: this is the one place a
+sample is sliced (``hybridlm.parallel.context.slice_for_rank``, the load-balanced layout
+that attention, RoPE and the loss assume).
 """
 from __future__ import annotations
 
@@ -14,17 +17,19 @@ from typing import Iterator
 
 import torch
 
+from ..parallel.context import slice_for_rank
+
 
 def micro_batches(stream, *, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                  start_iteration: int = 0, device=None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(tokens, labels) micro-batches for one DP rank, forever, from ``start_iteration`` on."""
+                  start_iteration: int = 0, device=None, cp_rank: int = 0, cp_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens, labels) micro-batches for one DP rank (and CP rank), forever, from ``start_iteration`` on."""
     per_micro_step = micro_batch_size * dp_size
     accumulation = global_batch_size // per_micro_step
     iteration = start_iteration
     while True:
         for m in range(accumulation):
             first = iteration * global_batch_size + m * per_micro_step + dp_rank * micro_batch_size
-            tokens, labels = stream.batch(first, micro_batch_size)
+            tokens, labels = (slice_for_rank(t, 1, cp_rank, cp_size) for t in stream.batch(first, micro_batch_size))
             yield to_device(tokens, device), to_device(labels, device)
         iteration += 1
 

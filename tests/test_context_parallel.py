@@ -1,0 +1,113 @@
+"""Context parallelism's pieces against their single-process definitions: the layout, the
+log-sum-exp block kernel, and ring / all-to-all / all-gather attention, forward and backward,
+equal to full causal attention on random q, k, v (gloo, fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import run_ranks
+from hybridlm.model.attention_backends import MathBlockAttention
+from hybridlm.parallel.context import kv_replication, load_balanced_positions, merge_blocks, slice_for_rank
+from hybridlm.parallel.state import layout_groups
+
+
+def test_cp_sits_between_tp_and_dp_in_the_rank_order():
+    groups = {kind: sorted(lists) for kind, lists in layout_groups(tp=2, pp=2, dp=2, cp=2).items()}
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]
+    assert groups["cp"][:4] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["dp"][:4] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["data"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # what DeepSpeed averages gradients over
+    assert groups["pp"][0] == [0, 8]
+    with_ep = layout_groups(tp=1, pp=1, dp=1, cp=2, ep=2)
+    assert with_ep["ep"] == [[0, 1]] and with_ep["expert_dp"] == [[0], [1]]  # EP is carved out of DP x CP
+
+
+def test_rank_i_holds_chunks_i_and_2n_minus_1_minus_i():
+    assert load_balanced_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert load_balanced_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    every = torch.cat([load_balanced_positions(24, r, 3) for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))
+    tokens = torch.arange(8).view(1, 8)
+    assert slice_for_rank(tokens, 1, 1, 2).tolist() == [[2, 3, 4, 5]]
+
+
+def test_kv_heads_are_replicated_only_as_far_as_cp_needs():
+    assert [kv_replication(groups, 4) for groups in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    assert kv_replication(2, 3) == 3  # lcm(2, 3) = 6 heads of K/V, two per rank
+
+
+def _random_qkv(seq: int, heads: int, groups: int, seed: int = 0, dim: int = 8, batch: int = 2):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq, batch, heads, dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(seq, batch, groups, dim, generator=generator, dtype=torch.float64)
+    v = torch.randn(seq, batch, groups, dim, generator=generator, dtype=torch.float64)
+    dout = torch.randn(seq, batch, heads, dim, generator=generator, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _full_attention(q, k, v, dout):
+    """Causal attention through torch's SDPA (autograd): output and the gradients of <out, dout>."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                         enable_gqa=q.shape[2] != k.shape[2]).permute(2, 0, 1, 3)
+    (out * dout).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_block_kernel_merged_by_lse_equals_full_attention_forward_and_backward(heads, groups):
+    # Queries 8..15 against keys 0..7 (no mask) and 8..15 (causal), merged: the last 8 rows of
+    # causal attention over 16; the backward of each block, given the merged output and lse,
+    # adds up to the full gradients.
+    q, k, v, dout = _random_qkv(16, heads, groups)
+    want, dq, dk, dv = _full_attention(q, k, v, dout)
+    kernel, rows = MathBlockAttention(), slice(8, 16)
+    out_a, lse_a = kernel.forward(q[rows], k[:8], v[:8], causal=False)
+    out_b, lse_b = kernel.forward(q[rows], k[rows], v[rows], causal=True)
+    out, lse = merge_blocks(out_a, lse_a, out_b, lse_b)
+    torch.testing.assert_close(out.double(), want[rows], rtol=1e-5, atol=1e-6)
+    grads_a = kernel.backward(dout[rows], q[rows], k[:8], v[:8], out.double(), lse, causal=False)
+    grads_b = kernel.backward(dout[rows], q[rows], k[rows], v[rows], out.double(), lse, causal=True)
+    torch.testing.assert_close((grads_a[0] + grads_b[0]).double(), dq[rows], rtol=1e-5, atol=1e-6)
+    # keys 0..7 also get gradient from queries 0..7 (not computed here): compare keys 8..15 only
+    torch.testing.assert_close(grads_b[1].double(), dk[rows], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads_b[2].double(), dv[rows], rtol=1e-5, atol=1e-6)
+
+
+CASES = [(12, 12), (12, 2)]  # MHA, and GQA with fewer K/V heads than some CP sizes (a2a replicates them)
+
+
+def _cp_attention_on_rank(seq: int) -> dict:
+    """Every comm type and head layout on this rank's slice; returns max errors against full attention."""
+    import torch.distributed as dist
+    from hybridlm.parallel.context import ContextParallelAttention
+    from hybridlm.parallel.state import ParallelState
+    from hybridlm.model.attention_backends import sdpa_attention
+    from hybridlm.training.distributed import init_distributed
+    init_distributed(1)
+    ps = ParallelState(cp=dist.get_world_size())
+    cp = ps.cp
+    errors = {}
+    for heads, groups in CASES:
+        q, k, v, dout = _random_qkv(seq, heads, groups, seed=heads + groups)
+        want = _full_attention(q, k, v, dout)
+        mine = [slice_for_rank(t, 0, cp.rank, cp.size) for t in (q, k, v, dout)]
+        for comm in ("p2p", "a2a", "allgather"):
+            attention = ContextParallelAttention(cp, comm, sdpa_attention, MathBlockAttention())
+            q_, k_, v_ = (t.clone().requires_grad_() for t in mine[:3])
+            out = attention(q_, k_, v_)
+            (out * mine[3]).sum().backward()
+            got = (out.detach(), q_.grad, k_.grad, v_.grad)
+            errors[(comm, heads, groups)] = [float((g - slice_for_rank(w, 0, cp.rank, cp.size)).abs().max())
+                                             for g, w in zip(got, want)]
+    return errors
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_ring_a2a_and_allgather_attention_equal_full_causal_attention_forward_and_backward(cp):
+    for rank, errors in enumerate(run_ranks(cp, _cp_attention_on_rank, 8 * cp, timeout=120)):
+        for (comm, heads, groups), (out, dq, dk, dv) in errors.items():
+            assert max(out, dq, dk, dv) < 1e-10, (f"CP={cp} rank {rank} {comm} heads {heads} groups {groups}: "
+                                                  f"max errors out {out:.1e} dq {dq:.1e} dk {dk:.1e} dv {dv:.1e}")
