@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
+from oracle import assert_matches
 from hybridlm.model.attention_backends import MathBlockAttention
 from hybridlm.parallel.context import kv_replication, load_balanced_positions, merge_blocks, slice_for_rank
 from hybridlm.parallel.state import layout_groups
@@ -111,3 +112,36 @@ def test_ring_a2a_and_allgather_attention_equal_full_causal_attention_forward_an
         for (comm, heads, groups), (out, dq, dk, dv) in errors.items():
             assert max(out, dq, dk, dv) < 1e-10, (f"CP={cp} rank {rank} {comm} heads {heads} groups {groups}: "
                                                   f"max errors out {out:.1e} dq {dq:.1e} dk {dk:.1e} dv {dv:.1e}")
+
+
+# ---------------------------------------------------------------- every CP layout equals one process
+
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+A2A, ALLGATHER = ["--cp-comm-type", "a2a"], ["--cp-comm-type", "allgather"]
+TP2, PP2, EP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"], ["--expert-model-parallel-size", "2"]
+
+
+@pytest.mark.parametrize("world, layout, zero", [
+    pytest.param(2, CP2, "zero0", id="cp2_p2p"),
+    pytest.param(4, CP4, "zero1", id="cp4_p2p"),
+    pytest.param(2, CP2 + A2A, "zero1", id="cp2_a2a"),
+    pytest.param(4, CP4 + A2A, "zero0", id="cp4_a2a_kv_heads_replicated"),
+    pytest.param(2, CP2 + ALLGATHER, "zero1", id="cp2_allgather"),
+    pytest.param(4, TP2 + CP2 + ["--sequence-parallel"], "zero1", id="tp2_cp2_sp"),
+    pytest.param(4, PP2 + CP2, "zero1", id="pp2_cp2"),
+    pytest.param(4, CP2, "zero2", id="cp2_dp2_zero2"),
+    pytest.param(4, CP2, "zero3", id="cp2_dp2_zero3"),
+    pytest.param(4, TP2 + CP2 + ["--recompute-granularity", "full"], "zero1", id="tp2_cp2_recompute_partitioned"),
+    pytest.param(2, CP2 + ["--recompute-granularity", "selective"], "zero1", id="cp2_selective_recompute"),
+])
+def test_context_parallel_layout_matches_single_process(world, layout, zero):
+    from test_oracle import parallel, reference
+    assert_matches(reference(), parallel(world, layout, zero))
+
+
+def test_cp2_ep2_moe_routes_local_tokens_with_the_single_process_aux_loss():
+    # EP carved out of DP x CP: the two CP ranks of one sample are also the two EP ranks.
+    from test_moe import parallel, reference
+    want, got = reference(), parallel(2, CP2 + EP2, "zero1")
+    assert [m["layers"]["0"]["tokens_per_expert"] for m in got["moe"]] == [m["layers"]["0"]["tokens_per_expert"] for m in want["moe"]]
+    assert_matches(want, got)  # losses, aux and z losses, grad norms, gradients
