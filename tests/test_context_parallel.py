@@ -145,3 +145,25 @@ def test_cp2_ep2_moe_routes_local_tokens_with_the_single_process_aux_loss():
     want, got = reference(), parallel(2, CP2 + EP2, "zero1")
     assert [m["layers"]["0"]["tokens_per_expert"] for m in got["moe"]] == [m["layers"]["0"]["tokens_per_expert"] for m in want["moe"]]
     assert_matches(want, got)  # losses, aux and z losses, grad norms, gradients
+
+
+# ---------------------------------------------------------------- checkpoints across CP sizes
+
+def test_cp2_checkpoint_resumes_exactly_and_continues_at_cp1_and_cp4_with_the_same_losses(tmp_path_factory):
+    # Weights are replicated over CP, so another CP size is another data-parallel layout: the
+    # reshaping loader carries weights, fp32 masters, Adam moments, step and schedule.
+    from interop_runs import BASE, saved_run, train
+    from oracle import ds_config
+    directory, first = saved_run(tmp_path_factory.mktemp("cp_runs"), 2, CP2, "zero1")
+
+    def continued(world: int, layout: list[str]) -> dict:
+        return run_ranks(world, train, BASE + layout + ds_config("zero1") + ["--train-iters", "4", "--load", directory], 2)[0]
+
+    unchanged = continued(2, CP2)
+    whole = run_ranks(2, train, BASE + CP2 + ds_config("zero1") + ["--train-iters", "4"], 4)[0]
+    assert first["losses"] + unchanged["losses"] == whole["losses"]  # the same CP: bit for bit
+    for world, layout in ((1, []), (4, CP4)):
+        other = continued(world, layout)
+        assert other["start"] == 2
+        for step, (got, want) in enumerate(zip(other["losses"], unchanged["losses"]), start=3):
+            assert abs(got - want) <= 1e-5 * abs(want), f"CP={world} step {step}: loss {got!r} != {want!r} at CP=2"
