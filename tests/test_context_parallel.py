@@ -167,3 +167,27 @@ def test_cp2_checkpoint_resumes_exactly_and_continues_at_cp1_and_cp4_with_the_sa
         assert other["start"] == 2
         for step, (got, want) in enumerate(zip(other["losses"], unchanged["losses"]), start=3):
             assert abs(got - want) <= 1e-5 * abs(want), f"CP={world} step {step}: loss {got!r} != {want!r} at CP=2"
+
+
+# ---------------------------------------------------------------- refusals, before any process group
+
+@pytest.mark.parametrize("world, flags, sentence", [
+    (2, ["--seq-length", "30"], "--seq-length 30 is not divisible by 2 x CP = 4"),
+    (8, ["--seq-length", "36", "--tensor-model-parallel-size", "4", "--num-query-groups", "4", "--sequence-parallel"],
+     "--seq-length 36 / CP 2 = 18 tokens per CP rank is not divisible by --tensor-model-parallel-size 4"),
+    (8, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+     "--cp-comm-type a2a cannot split 2 attention heads per TP rank"),
+    (3, [], "world size 3 is not a multiple of TP x PP x CP = 1 x 1 x 2"),
+    (2, ["--position-embedding-type", "learned_absolute"], "--context-parallel-size 2 cannot be combined with --position-embedding-type learned_absolute: use rope"),
+    (2, ["--attention-dropout", "0.1"], "--attention-dropout 0.1 with --cp-comm-type p2p"),
+    (2, ["--torch-compile"], "cannot be combined with --torch-compile"),
+    (2, ["--attention-backend", "te"], "cannot be combined with --attention-backend te"),
+    (2, ["--num-experts", "4", "--moe-capacity-factor", "1.0"], "use dropless routing"),
+    (2, ["--num-experts", "4", "--expert-model-parallel-size", "4"], "--expert-model-parallel-size 4 does not divide DP x CP = 1 x 2"),
+])
+def test_bad_cp_layout_is_one_sentence_naming_the_flag(world, flags, sentence):
+    from hybridlm.config import ConfigError, parse_args
+    from oracle import TINY
+    with pytest.raises(ConfigError) as refused:
+        parse_args(TINY + CP2 + flags).validate(world_size=world)
+    assert sentence in str(refused.value) and str(refused.value).count(". ") == 0, str(refused.value)
