@@ -212,6 +212,11 @@ def _same_heads(q, k, v):
     return (k, v) if repeat == 1 else (k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2))
 
 
+def _unused_rng(t):
+    """The philox seed/offset a kernel without dropout never reads (0-dim int64, as torch makes them)."""
+    return torch.zeros((), dtype=torch.int64, device=t.device)
+
+
 def _fold_heads(grad, groups: int):
     s, b, heads, d = grad.shape
     return grad if heads == groups else grad.view(s, b, groups, heads // groups, d).sum(3)
@@ -233,11 +238,11 @@ class TorchFlashBlockAttention(MathBlockAttention):
             return super().backward(dout, q, k, v, out, lse, causal)
         groups = k.shape[2]
         k, v = _same_heads(q, k, v)
-        sq, sk = q.shape[0], k.shape[0]
-        empty = torch.empty(0, device=q.device)
+        # no cumulative sequence lengths (None: not the variable-length kernel), as torch's own
+        # ring attention (torch.distributed.tensor.experimental) calls it
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), empty, empty, sq, sk, 0.0, causal,
-            torch.zeros(2, dtype=torch.int64, device=q.device), empty)
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), None, None, q.shape[0], k.shape[0],
+            0.0, causal, _unused_rng(q), _unused_rng(q))
         return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
 
 
@@ -256,14 +261,11 @@ class CuDNNBlockAttention(MathBlockAttention):
             return super().backward(dout, q, k, v, out, lse, causal)
         groups = k.shape[2]
         k, v = _same_heads(q, k, v)
-        sq, sk = q.shape[0], k.shape[0]
-        empty = torch.empty(0, device=q.device)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
         # cuDNN wants the output and its gradient in one layout: both [b, s, h, d] in memory
         out_bshd, dout_bshd = out.transpose(0, 1).contiguous(), dout.transpose(0, 1).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout_bshd.transpose(1, 2), _bhsd(q), _bhsd(k), _bhsd(v), out_bshd.transpose(1, 2), lse.unsqueeze(-1).contiguous(),
-            seed, seed, empty, empty, empty, sq, sk, 0.0, causal)
+            _unused_rng(q), _unused_rng(q), None, None, None, q.shape[0], k.shape[0], 0.0, causal)
         return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
 
 

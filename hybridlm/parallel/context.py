@@ -108,7 +108,7 @@ def merge_blocks(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, 
     return out, merged
 
 
-class _Accumulator:
+class MergedBlocks:
     """The running fp32 output and log-sum-exp of a query block, merged block by block."""
 
     def __init__(self):
@@ -150,7 +150,7 @@ class _Exchange:
 _KV_TAG, _DKV_TAG = 11, 12
 
 
-def _ring_block(step: int, rank: int, size: int, half: int) -> tuple[slice, slice, bool]:
+def ring_block(step: int, rank: int, size: int, half: int) -> tuple[slice, slice, bool]:
     """(query rows, key rows, causal) for the K/V of rank ``rank - step`` under the load-balanced
     layout: at step 0 the rank's own K/V (its two chunks, causally); from an earlier rank only that
     rank's first chunk is visible, to all local queries; from a later rank both its chunks are
@@ -168,10 +168,10 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: GroupHandle, kernel):
         size, rank, half = cp.size, cp.rank, q.shape[0] // 2
         kv = torch.stack([k, v])  # one message per step
-        acc = _Accumulator()
+        acc = MergedBlocks()
         for step in range(size):
             incoming = _Exchange(kv, cp, _KV_TAG) if step + 1 < size else None
-            q_rows, k_rows, causal = _ring_block(step, rank, size, half)
+            q_rows, k_rows, causal = ring_block(step, rank, size, half)
             out, lse = kernel.forward(q[q_rows], kv[0, k_rows], kv[1, k_rows], causal)
             acc.add(q_rows, out, lse, q.shape[0])
             if incoming is not None:
@@ -192,7 +192,7 @@ class _RingAttention(torch.autograd.Function):
         home = None  # the exchange carrying each K/V's gradient one rank further
         for step in range(size):
             incoming = _Exchange(kv, cp, _KV_TAG) if step + 1 < size else None
-            q_rows, k_rows, causal = _ring_block(step, rank, size, half)
+            q_rows, k_rows, causal = ring_block(step, rank, size, half)
             block_dq, block_dk, block_dv = kernel.backward(dout[q_rows], q[q_rows], kv[0, k_rows], kv[1, k_rows],
                                                            out[q_rows], lse[..., q_rows], causal)
             dq[q_rows] += block_dq
@@ -222,7 +222,7 @@ class _PrefixAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, chunks: tuple[int, int], kernel):
         blocks = _prefix_blocks(chunks, q.shape[0] // 2)
-        acc = _Accumulator()
+        acc = MergedBlocks()
         for q_rows, k_rows, causal in blocks:
             out, lse = kernel.forward(q[q_rows], k[k_rows], v[k_rows], causal)
             acc.add(q_rows, out, lse, q.shape[0])
