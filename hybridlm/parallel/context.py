@@ -123,6 +123,26 @@ class MergedBlocks:
         self.out[rows], self.lse[..., rows] = out, lse
 
 
+Block = tuple[slice, slice, bool]  # (query rows, key rows, causal)
+
+
+def _attend(kernel, merged: MergedBlocks, q, k, v, block: Block) -> None:
+    q_rows, k_rows, causal = block
+    out, lse = kernel.forward(q[q_rows], k[k_rows], v[k_rows], causal)
+    merged.add(q_rows, out, lse, q.shape[0])
+
+
+def _attend_backward(kernel, dout, q, k, v, out, lse, block: Block, dq, dk, dv) -> None:
+    """Add one block's gradients into dq (its query rows) and dk, dv (its key rows), from the
+    merged output and log-sum-exp."""
+    q_rows, k_rows, causal = block
+    block_dq, block_dk, block_dv = kernel.backward(dout[q_rows], q[q_rows], k[k_rows], v[k_rows], out[q_rows],
+                                                   lse[..., q_rows], causal)
+    dq[q_rows] += block_dq
+    dk[k_rows] += block_dk
+    dv[k_rows] += block_dv
+
+
 # ---------------------------------------------------------------- p2p: ring attention
 
 def _peers(cp: GroupHandle) -> tuple[int, int]:
@@ -150,7 +170,7 @@ class _Exchange:
 _KV_TAG, _DKV_TAG = 11, 12
 
 
-def ring_block(step: int, rank: int, size: int, half: int) -> tuple[slice, slice, bool]:
+def ring_block(step: int, rank: int, size: int, half: int) -> Block:
     """(query rows, key rows, causal) for the K/V of rank ``rank - step`` under the load-balanced
     layout: at step 0 the rank's own K/V (its two chunks, causally); from an earlier rank only that
     rank's first chunk is visible, to all local queries; from a later rank both its chunks are
@@ -168,16 +188,14 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: GroupHandle, kernel):
         size, rank, half = cp.size, cp.rank, q.shape[0] // 2
         kv = torch.stack([k, v])  # one message per step
-        acc = MergedBlocks()
+        merged = MergedBlocks()
         for step in range(size):
             incoming = _Exchange(kv, cp, _KV_TAG) if step + 1 < size else None
-            q_rows, k_rows, causal = ring_block(step, rank, size, half)
-            out, lse = kernel.forward(q[q_rows], kv[0, k_rows], kv[1, k_rows], causal)
-            acc.add(q_rows, out, lse, q.shape[0])
+            _attend(kernel, merged, q, kv[0], kv[1], ring_block(step, rank, size, half))
             if incoming is not None:
                 kv = incoming.wait()
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
+        out = merged.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged.lse)
         ctx.cp, ctx.kernel = cp, kernel
         return out
 
@@ -192,14 +210,9 @@ class _RingAttention(torch.autograd.Function):
         home = None  # the exchange carrying each K/V's gradient one rank further
         for step in range(size):
             incoming = _Exchange(kv, cp, _KV_TAG) if step + 1 < size else None
-            q_rows, k_rows, causal = ring_block(step, rank, size, half)
-            block_dq, block_dk, block_dv = kernel.backward(dout[q_rows], q[q_rows], kv[0, k_rows], kv[1, k_rows],
-                                                           out[q_rows], lse[..., q_rows], causal)
-            dq[q_rows] += block_dq
             # the gradient of the K/V in hand: what the ranks before added, plus this block's
             dkv = torch.zeros_like(kv, dtype=accumulation_dtype(kv)) if home is None else home.wait()
-            dkv[0, k_rows] += block_dk
-            dkv[1, k_rows] += block_dv
+            _attend_backward(kernel, dout, q, kv[0], kv[1], out, lse, ring_block(step, rank, size, half), dq, dkv[0], dkv[1])
             home = _Exchange(dkv, cp, _DKV_TAG)  # after the last step this lands on its owner
             if incoming is not None:
                 kv = incoming.wait()
@@ -222,12 +235,11 @@ class _PrefixAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, chunks: tuple[int, int], kernel):
         blocks = _prefix_blocks(chunks, q.shape[0] // 2)
-        acc = MergedBlocks()
-        for q_rows, k_rows, causal in blocks:
-            out, lse = kernel.forward(q[q_rows], k[k_rows], v[k_rows], causal)
-            acc.add(q_rows, out, lse, q.shape[0])
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
+        merged = MergedBlocks()
+        for block in blocks:
+            _attend(kernel, merged, q, k, v, block)
+        out = merged.out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, merged.lse)
         ctx.blocks, ctx.kernel = blocks, kernel
         return out
 
@@ -237,16 +249,12 @@ class _PrefixAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = torch.zeros_like(q, dtype=accumulation_dtype(q))
         dk, dv = torch.zeros_like(k, dtype=accumulation_dtype(k)), torch.zeros_like(v, dtype=accumulation_dtype(v))
-        for q_rows, k_rows, causal in ctx.blocks:
-            block_dq, block_dk, block_dv = ctx.kernel.backward(dout[q_rows], q[q_rows], k[k_rows], v[k_rows], out[q_rows],
-                                                               lse[..., q_rows], causal)
-            dq[q_rows] += block_dq
-            dk[k_rows] += block_dk
-            dv[k_rows] += block_dv
+        for block in ctx.blocks:
+            _attend_backward(ctx.kernel, dout, q, k, v, out, lse, block, dq, dk, dv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def _prefix_blocks(chunks: tuple[int, int], chunk: int) -> list[tuple[slice, slice, bool]]:
+def _prefix_blocks(chunks: tuple[int, int], chunk: int) -> list[Block]:
     blocks = []
     for local, t in enumerate(chunks):
         rows = slice(local * chunk, (local + 1) * chunk)
