@@ -22,7 +22,7 @@ TRAIN_FIGURES = ("tokens/s/GPU", "TFLOP/s/GPU", "MFU", "peak GiB", "per-step tok
 SUITES = {
     "headline": "the README's table: the reference model (944M, d2048 L16, seq 2048) on one GPU, bf16 and FP8, beside the peers",
     "variants": "the reference on one GPU with one setting changed (ZeRO stage, batch, attention kernel, TE, FP8 recipe, fused ops)",
-    "long-context": "longer sequences on one GPU (context parallelism's cases join when it lands)",
+    "long-context": "longer sequences: the reference on one GPU up to the longest that trains, and context parallelism (CP=2, p2p and a2a) on two",
     "moe": "Mixture-of-Experts: Mixtral-8x7B's layer shapes, on one GPU and under expert parallelism",
     "scaling": "several GPUs: TP, PP, DP, ZeRO-3 and their products; loss curves of a layout against one GPU",
     "memory": "the largest model one GPU trains, with and without CPU offload",
@@ -67,8 +67,20 @@ FP8 = BF16 + ("--transformer-impl", "transformer_engine", "--fp8-format", "hybri
 L_FP8 = "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, cuDNN attention"
 MIXTRAL_2L = ("--num-layers", "2", "--global-batch-size", "16") + BF16
 SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
+# one sample per step, full recompute: the longest sequences; a case past the memory is a failed record
+LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
+L_LONG = "mb 1, full recompute, ZeRO-1, bf16"
 PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval", "1", "--lr-warmup-iters", "0")
 PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
+
+
+def _long(name: str, seq: int, cp: int = 1, comm: str = "p2p", probe: bool = False, **kw) -> Case:
+    """The reference at ``seq`` tokens per sample, on one GPU or with CP over ``cp`` GPUs; a ``probe``
+    only asks whether that length trains (two timed steps)."""
+    where = f"{cp} GPUs, CP={cp} {comm}" if cp > 1 else "1 GPU"
+    flags = LONG + ("--seq-length", str(seq)) + (("--context-parallel-size", str(cp), "--cp-comm-type", comm) if cp > 1 else ())
+    timing = dict(steps=2, warmup=1, expected_s=180, timeout_s=300) if probe else dict(steps=4, warmup=2, expected_s=240, timeout_s=360)
+    return Case(name, "long-context", f"{where}, seq {seq}, {L_LONG}", gpus=cp, flags=flags, **timing, **kw)
 
 
 def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference") -> Case:
@@ -106,6 +118,13 @@ CASES = (
     Case("ref-seq8k", "long-context", "1 GPU, ZeRO-1, bf16, seq 8192, mb 1, gbs 16, --torch-compile, cuDNN attention",
          flags=COMPILED + ("--seq-length", "8192", "--micro-batch-size", "1", "--global-batch-size", "16"),
          peers=("megatron-lm",)),
+    _long("ref-seq128k", 131072),  # the per-GPU figure CP=2 compares with
+    _long("ref-seq192k", 196608, probe=True),
+    _long("ref-seq256k", 262144, probe=True),
+    _long("ref-cp2-seq256k-p2p", 262144, cp=2, peers=("megatron-lm",)),
+    _long("ref-cp2-seq256k-a2a", 262144, cp=2, comm="a2a", peers=("megatron-lm",)),
+    _long("ref-cp2-seq384k", 393216, cp=2, probe=True),
+    _long("ref-cp2-seq512k", 524288, cp=2, probe=True),
     # MoE
     Case("moe-1gpu", "moe", "Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
          flags=MIXTRAL_2L, peers=("megatron-lm",), timeout_s=300),

@@ -105,6 +105,8 @@ def megatron_args(run, *, iters: int) -> list[str]:
     args += ["--untie-embeddings-and-output-weights"] if m.untie_embeddings_and_output_weights else []
     args += ["--bf16"] if t.bf16 else (["--fp16"] if t.fp16 else [])
     args += ["--sequence-parallel"] if p.sequence_parallel else []
+    if p.context_parallel_size > 1:  # Megatron's own CP: Transformer Engine's attention with the same comm type
+        args += _flags([("--context-parallel-size", p.context_parallel_size), ("--cp-comm-type", p.cp_comm_type)])
     if p.data_parallel_size > 1:
         args += ["--overlap-grad-reduce", "--overlap-param-gather"]
     if p.recompute_granularity == "full":

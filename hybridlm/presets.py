@@ -52,6 +52,11 @@ MODELS: dict[str, list[str]] = {
     "llama3-8b": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
                   "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--seq-length", "8192", "--vocab-size", "128256",
                   "--rotary-base", "500000", *_LLAMA],
+    # Llama 3 8B for long context: 128K tokens per sample, trained with context parallelism (its
+    # layout: CP=8 on one node). Raise --rotary-base for contexts beyond what the base was trained at.
+    "llama3-8b-128k": ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
+                       "--num-query-groups", "8", "--ffn-hidden-size", "14336", "--seq-length", "131072", "--vocab-size", "128256",
+                       "--rotary-base", "500000", *_LLAMA],
     # Mixtral-style MoE (8 experts, top-2, SwiGLU experts, GQA) small enough for CPU tests.
     "mixtral-tiny": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
                      "--num-query-groups", "2", "--ffn-hidden-size", "128", "--num-experts", "8", "--moe-router-topk", "2",
@@ -67,13 +72,14 @@ MODELS: dict[str, list[str]] = {
 @dataclass(frozen=True)
 class SuggestedLayout:
     """Where a preset runs and how it is split. DP is what the world leaves over:
-    nodes x gpus_per_node / (TP x PP); EP is carved out of DP."""
+    nodes x gpus_per_node / (TP x PP x CP); EP is carved out of DP x CP."""
 
     nodes: int
     gpus_per_node: int
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    cp: int = 1
     zero: int = 1
     sequence_parallel: bool = False
     recompute: Optional[str] = None  # "full", "selective" or None
@@ -88,7 +94,7 @@ class SuggestedLayout:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     def flags(self) -> list[str]:
         """The pretrain flags of this layout (no model shape, no paths)."""
@@ -96,6 +102,8 @@ class SuggestedLayout:
                "--deepspeed_config", f"ds_configs/zero{self.zero}.json", "--micro-batch-size", str(self.micro_batch_size)]
         if self.ep > 1:
             out += ["--expert-model-parallel-size", str(self.ep)]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp)]
         if self.sequence_parallel:
             out.append("--sequence-parallel")
         if self.recompute:
@@ -121,6 +129,9 @@ LAYOUTS: dict[str, SuggestedLayout] = {
     "llama2-70b": SuggestedLayout(nodes=8, gpus_per_node=8, tp=4, pp=16, zero=0, sequence_parallel=True, global_batch_size=1024),
     # the 128k-vocabulary logits at seq 8192 want TP: TP=1 layouts need 78-86 GiB
     "llama3-8b": SuggestedLayout(nodes=2, gpus_per_node=8, tp=2, zero=2, sequence_parallel=True, global_batch_size=512),
+    # 128K tokens: each of 8 GPUs holds 16K of every sample (ring attention); full recompute
+    # (planned 69.7 of 80 GiB, the 128k-vocabulary logits of 16K tokens taking 27.9); 4M tokens per step
+    "llama3-8b-128k": SuggestedLayout(nodes=1, gpus_per_node=8, cp=8, zero=2, recompute="full", global_batch_size=32),
     # EP stays 1: --save/--load with EP > 1 is refused for now, and the template must checkpoint.
     "mixtral-8x7b": SuggestedLayout(nodes=8, gpus_per_node=8, pp=32, zero=1, global_batch_size=1024),
 }
@@ -152,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in MODELS:
             lay = LAYOUTS.get(name)
             where = (f"{lay.nodes} x {lay.gpus_per_node} ({lay.gpu_memory_gib:g} GiB): TP={lay.tp} PP={lay.pp} DP={lay.dp} "
-                     f"EP={lay.ep} ZeRO-{lay.zero}{' SP' if lay.sequence_parallel else ''}"
+                     f"{f'CP={lay.cp} ' if lay.cp > 1 else ''}EP={lay.ep} ZeRO-{lay.zero}{' SP' if lay.sequence_parallel else ''}"
                      f"{' recompute ' + lay.recompute if lay.recompute else ''}") if lay else "no suggested layout"
             print(f"{name:14s} {where}")
         return 0

@@ -26,6 +26,7 @@ LR, BETAS, EPS = 1e-3, (0.9, 0.95), 1e-8
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"] + ds_config("zero1")
 DP2_ZERO3 = ds_config("zero3")
 TP2 = ["--tensor-model-parallel-size", "2"] + ds_config("zero1")
+CP2 = ["--context-parallel-size", "2"] + ds_config("zero1")
 MODELS = {"qwen2": "chatml", "llama": "llama3"}  # HF family -> the chat template its tokenizer carries
 
 
@@ -105,7 +106,10 @@ def finetune(flags: list[str], steps: int = 1, dpo_losses: tuple = (), mutate_pa
         loss = evaluate(run, run.train_data, iters=1)
         result["dpo"][variant] = {"loss": loss, **run.task.log_values(run, 1.0)}
     batches = data_iterator(run)
-    result["losses"] = [train_step(run, batches).item() for _ in range(steps)]
+    result["losses"], result["grad_norms"] = [], []
+    for _ in range(steps):
+        result["losses"].append(train_step(run, batches).item())
+        result["grad_norms"].append(run.engine.get_global_grad_norm())
     result["weights"] = _live_state(run, False)["weight"]
     result["reference"] = getattr(run.task, "reference_tag", None)
     if save:

@@ -59,7 +59,7 @@ def _live_state(run, with_optimizer: bool) -> dict:
         return values
 
     keys = ("weight", "fp32", "exp_avg", "exp_avg_sq") if with_optimizer else ("weight",)
-    return {key: gather_full_state_dict(local(key), module, ps.tp, ps.dp, ps.ep) for key in keys}
+    return {key: gather_full_state_dict(local(key), module, ps.tp, ps.grad_reduction, ps.ep) for key in keys}
 
 
 def train(flags: list[str], steps: int, save: bool = False, with_optimizer: bool = False) -> dict:

@@ -53,7 +53,7 @@ def train_and_probe(flags: list[str], steps: int = 3) -> dict:
     def step_with_probe(*args, **kwargs):
         if "grads" not in probe:  # step 1 only; every rank takes part in the gathers
             local = {name: safe_get_full_grad(p) for name, p in module.named_parameters()}
-            probe["grads"] = gather_full_state_dict(local, module, run.ps.tp, run.ps.dp, run.ps.ep)
+            probe["grads"] = gather_full_state_dict(local, module, run.ps.tp, run.ps.grad_reduction, run.ps.ep)
         return original_step(*args, **kwargs)
 
     run.engine._take_model_step = step_with_probe

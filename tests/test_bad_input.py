@@ -66,6 +66,8 @@ CASES = [
     pytest.param(2, ["--num-query-groups", "3", "--num-attention-heads", "6", "--hidden-size", "48",
                      "--tensor-model-parallel-size", "2"] + ds_config("zero1"),
                  "--num-query-groups 3 is not divisible by --tensor-model-parallel-size 2", id="groups_not_divisible_by_tp"),
+    pytest.param(2, ["--context-parallel-size", "2", "--seq-length", "30"] + ds_config("zero1"),
+                 "--seq-length 30 is not divisible by 2 x CP = 4", id="seq_not_divisible_by_2cp"),
 ]
 
 

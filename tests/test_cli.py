@@ -17,20 +17,56 @@ def _losses(path) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
-def test_deepspeed_launcher_tp2_pp2_gives_the_single_process_losses(tmp_path):
-    common = ["scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero1.json", *TINY, "--train-iters", "3",
-              "--log-interval", "1"]
-    single = _launch(["--num_gpus", "1", *common, "--metrics-file", str(tmp_path / "one.jsonl")])
+COMMON = ["scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero1.json", *TINY, "--train-iters", "3", "--log-interval", "1"]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory) -> list[float]:
+    path = tmp_path_factory.mktemp("cli") / "one.jsonl"
+    single = _launch(["--num_gpus", "1", *COMMON, "--metrics-file", str(path)])
     assert single.returncode == 0, single.stderr[-3000:]
-    split = _launch(["--num_gpus", "4", *common, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                     "--metrics-file", str(tmp_path / "four.jsonl")])
-    assert split.returncode == 0, split.stderr[-3000:]
-    want, got = _losses(tmp_path / "one.jsonl"), _losses(tmp_path / "four.jsonl")
+    return _losses(path)
+
+
+def _assert_same_losses(want: list[float], path, layout: str) -> None:
+    got = _losses(path)
     assert len(want) == len(got) == 3
     for step, (a, b) in enumerate(zip(want, got), start=1):
-        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: TP2xPP2 loss {b} != single-process {a}"
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {layout} loss {b} != single-process {a}"
+
+
+def test_deepspeed_launcher_tp2_pp2_gives_the_single_process_losses(tmp_path, single_process_losses):
+    split = _launch(["--num_gpus", "4", *COMMON, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                     "--metrics-file", str(tmp_path / "four.jsonl")])
+    assert split.returncode == 0, split.stderr[-3000:]
+    _assert_same_losses(single_process_losses, tmp_path / "four.jsonl", "TP2xPP2")
     record = json.loads(open(tmp_path / "four.jsonl").readline())
     assert {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu"} <= set(record)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--context-parallel-size", "4", "--cp-comm-type", "a2a", "--deepspeed_config", "ds_configs/zero3.json"],
+    ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--cp-comm-type", "allgather"],
+], ids=["cp2_tp2_sp_p2p", "cp4_a2a_zero3", "pp2_cp2_allgather"])
+def test_deepspeed_launcher_context_parallel_gives_the_single_process_losses(tmp_path, single_process_losses, layout):
+    split = _launch(["--num_gpus", "4", *COMMON, *layout, "--metrics-file", str(tmp_path / "cp.jsonl")])
+    assert split.returncode == 0, split.stderr[-3000:]
+    assert "CP=" in split.stdout
+    _assert_same_losses(single_process_losses, tmp_path / "cp.jsonl", " ".join(layout))
+    _assert_flops_count_every_token_once(tmp_path / "cp.jsonl", world=4)
+
+
+def _assert_flops_count_every_token_once(path, world: int) -> None:
+    """TFLOP/s per GPU = Megatron's FLOPs per token x the global batch's tokens / world / step time,
+    whatever slice of each sample a rank holds (8 samples of 32 tokens in TINY)."""
+    from hybridlm.config import parse_args
+    from hybridlm.training.metrics import flops_per_token
+    per_token = flops_per_token(parse_args(TINY).validate(world_size=1).model)
+    for line in open(path):
+        record = json.loads(line)
+        assert record["tokens_per_sec_per_gpu"] * world * record["step_seconds"] == pytest.approx(8 * 32)
+        assert record["tflops_per_gpu"] * 1e12 == pytest.approx(per_token * record["tokens_per_sec_per_gpu"])
 
 
 def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_per_rank():

@@ -1,7 +1,7 @@
 """Hugging Face export and import.
 
 Export: checkpoints trained at several layouts (TP2xPP2 tied and untied with GQA, MoE at EP=2,
-the GPT-2 variant, ZeRO-3 partitions) are read back exactly as the live engine held them, and
+the GPT-2 variant, ZeRO-3 partitions, context parallelism) are read back exactly as the live engine held them, and
 the exported directory, loaded by transformers, computes hybridlm's logits (fp32, < 1e-4).
 Import: a Hugging Face model -> hybridlm -> Hugging Face is bit-identical, the imported model
 computes the original's logits, and training continues from it at another layout with the loss
@@ -27,6 +27,7 @@ EXPORTS = {
     "moe_ep2": (2, MOE + EP2, "zero1", "MixtralForCausalLM"),
     "gpt2_tp2_zero2": (2, GPT2 + ["--tensor-model-parallel-size", "2"], "zero2", "GPT2LMHeadModel"),
     "dp2_zero3": (2, [], "zero3", "LlamaForCausalLM"),
+    "cp2_zero3": (2, ["--context-parallel-size", "2"], "zero3", "LlamaForCausalLM"),  # ZeRO partitions over CP too
 }
 
 

@@ -20,12 +20,12 @@ import shutil
 import pytest
 import torch
 
-from finetune_runs import (BETAS, DP2_ZERO3, EPS, LR, MODELS, OPTIM, SEQ, TP2, TP2PP2, as_hf_names, finetune, hf_model,
+from finetune_runs import (BETAS, CP2, DP2_ZERO3, EPS, LR, MODELS, OPTIM, SEQ, TP2, TP2PP2, as_hf_names, finetune, hf_model,
                            hf_model_dir, imported, preference_data, sample_labels, sft_data, token_loss_sums)
 from harness import run_ranks
 
 # world, flags, micro-batch (8 rows a step: GAS 4)
-LAYOUTS = {"tp2_pp2_zero1": (4, TP2PP2, 2), "dp2_zero3": (2, DP2_ZERO3, 1), "tp2": (2, TP2, 2)}
+LAYOUTS = {"tp2_pp2_zero1": (4, TP2PP2, 2), "dp2_zero3": (2, DP2_ZERO3, 1), "tp2": (2, TP2, 2), "cp2": (2, CP2, 2)}
 GLOBAL = 8
 
 
@@ -63,8 +63,9 @@ def first_global_batch(data: str, packing: bool = True) -> list[list[int]]:
     return [rows.row(i) for i in range(GLOBAL)]
 
 
-def transformers_step(models, family: str, packing: bool = True) -> tuple[float, dict]:
-    """transformers' loss on the unpacked conversations of step 0, and its weights after one AdamW step."""
+def transformers_step(models, family: str, packing: bool = True) -> tuple[float, dict, float]:
+    """transformers' loss on the unpacked conversations of step 0, its weights after one AdamW step and
+    the step's gradient norm (which AdamW's first step, normalising each gradient, does not show)."""
     hf, _, data = models[family]
     model = hf_model(hf)
     docs = [d for row in first_global_batch(data, packing) for d in row]
@@ -72,12 +73,14 @@ def transformers_step(models, family: str, packing: bool = True) -> tuple[float,
     loss = sums.sum() / counts.sum()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     loss.backward()
+    grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])).item()
     optimizer.step()
-    return loss.item(), {name: p.detach().clone() for name, p in model.named_parameters()}
+    return loss.item(), {name: p.detach().clone() for name, p in model.named_parameters()}, grad_norm
 
 
-def assert_step_matches(got: dict, want_loss: float, want_weights: dict, checkpoint: str) -> None:
+def assert_step_matches(got: dict, want_loss: float, want_weights: dict, want_grad_norm: float, checkpoint: str) -> None:
     assert abs(got["losses"][0] - want_loss) <= 1e-5 * want_loss, (got["losses"][0], want_loss)
+    assert abs(float(got["grad_norms"][0]) - want_grad_norm) <= 1e-5 * want_grad_norm, (got["grad_norms"][0], want_grad_norm)
     got_weights = as_hf_names(got["weights"], checkpoint)
     assert set(got_weights) == set(want_weights)
     for name, want in want_weights.items():
@@ -103,6 +106,18 @@ def test_sft_under_sequence_parallelism_and_recompute_matches_transformers(model
     assert_step_matches(got, *transformers_step(models, "llama", packing), models["llama"][1])
 
 
+@pytest.mark.parametrize("extra, packing", [
+    pytest.param((), False, id="unpacked_p2p"),
+    pytest.param(("--cp-comm-type", "a2a"), True, id="packed_a2a"),
+])
+def test_sft_under_context_parallelism_matches_transformers(models, extra, packing):
+    # CP=2 on two ranks: each holds its load-balanced half of every row, labels (and position ids)
+    # sliced alike, and the loss-token count is summed over DP x CP. Packed rows stay apart under
+    # a2a, whose kernel sees the whole rows' position ids (p2p and allgather refuse --packing).
+    got = sft_run(models, "llama", "cp2", extra=extra, packing=packing)
+    assert_step_matches(got, *transformers_step(models, "llama", packing), models["llama"][1])
+
+
 def test_four_accumulation_steps_equal_one(models):
     four, one = sft_run(models, "qwen2", "dp2_zero3"), sft_run(models, "qwen2", "dp2_zero3", micro_batch=4)
     assert abs(four["losses"][0] - one["losses"][0]) <= 1e-6 * one["losses"][0]
@@ -114,7 +129,7 @@ def test_attention_across_packed_samples_breaks_the_match(models):
     # The mutation check: with a plain causal mask, packed conversations see their row neighbours, and
     # the comparison of the test above fails (a random tiny model attends almost uniformly, so the
     # difference is small: 1.6e-4 relative when this was written, 16x the tolerance).
-    want_loss, _ = transformers_step(models, "qwen2")
+    want_loss, _, _ = transformers_step(models, "qwen2")
     mutated = sft_run(models, "qwen2", "dp2_zero3", mutate=True)["losses"][0]
     assert abs(mutated - want_loss) > 1e-5 * want_loss, (mutated, want_loss)
 
@@ -159,10 +174,8 @@ def pinned(policy_c, policy_r, ref_c, ref_r, kind: str, smoothing: float) -> dic
             "logps/chosen": policy_c.mean().item(), "logps/rejected": policy_r.mean().item()}
 
 
-@torch.no_grad()
-def transformers_logps(hf_dir: str, prefix: str, pairs: list[int]) -> tuple[torch.Tensor, ...]:
+def transformers_logps(model, prefix: str, pairs: list[int]) -> tuple[torch.Tensor, ...]:
     """(chosen sums, rejected sums, chosen counts, rejected counts) of each pair's reply, truncated as the rows are."""
-    model = hf_model(hf_dir)
     out = []
     for side in (0, 1):
         sums, counts = [], []
@@ -175,7 +188,7 @@ def transformers_logps(hf_dir: str, prefix: str, pairs: list[int]) -> tuple[torc
     return out[0], out[2], out[1], out[3]
 
 
-@pytest.mark.parametrize("layout", ["tp2_pp2_zero1", "dp2_zero3"])
+@pytest.mark.parametrize("layout", ["tp2_pp2_zero1", "dp2_zero3", "cp2"])
 def test_dpo_losses_and_metrics_equal_the_pinned_formulas(preference, tmp_path, layout):
     from hybridlm.data.chat_dataset import ChatData, DPOPairs
     policy_hf, _, reference_hf, _, data_dir = preference
@@ -186,8 +199,10 @@ def test_dpo_losses_and_metrics_equal_the_pinned_formulas(preference, tmp_path, 
     pairs = DPOPairs(ChatData(prefix), DPO_SEQ, seed=11, pad=0)
     ids = [pairs.pair(i) for i in range(GLOBAL)]
     assert len({len(ChatData(prefix).sample(2 * p, 10**6)[0]) for p in ids}) > 4  # unequal lengths
-    pc, pr, nc, nr = transformers_logps(policy_hf, prefix, ids)
-    rc, rr, _, _ = transformers_logps(reference_hf, prefix, ids)
+    policy = hf_model(policy_hf)
+    pc, pr, nc, nr = transformers_logps(policy, prefix, ids)
+    with torch.no_grad():
+        rc, rr, _, _ = transformers_logps(hf_model(reference_hf), prefix, ids)
     for kind, smoothing, rpo in LOSSES:
         want = pinned(pc / nc, pr / nr, rc / nc, rr / nr, kind, smoothing) if kind == "ipo" else pinned(pc, pr, rc, rr, kind, smoothing)
         if rpo:  # + alpha x the chosen replies' next-token loss per chosen token
@@ -196,6 +211,12 @@ def test_dpo_losses_and_metrics_equal_the_pinned_formulas(preference, tmp_path, 
         for name, value in want.items():
             assert abs(values[name] - value) <= 1e-5 * max(1.0, abs(value)), f"{kind} {smoothing} {rpo} {name}: {values[name]} != {value}"
     assert abs(got["losses"][0] - got["dpo"][LOSSES[-1]]["loss"]) <= 1e-6  # training's first step: the same loss
+    # ... and the same gradient as transformers' (its norm: the layouts' reductions and scales, CP's included)
+    _, _, rpo = LOSSES[-1]
+    h = (pc - rc) - (pr - rr)
+    (-torch.nn.functional.logsigmoid(BETA * h).mean() - rpo * pc.sum() / nc.sum()).backward()
+    want_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in policy.parameters()])).item()
+    assert abs(float(got["grad_norms"][0]) - want_norm) <= 1e-5 * want_norm, (got["grad_norms"][0], want_norm)
     assert [f for f in os.listdir(data) if f.startswith("pref.reference-")]  # computed and stored beside the data
 
 

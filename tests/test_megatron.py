@@ -87,7 +87,6 @@ def test_dataloader_type_single_is_accepted_and_cyclic_refused():
 @pytest.mark.parametrize("argv, sentence", [
     (["--use-distributed-optimizer", *ds_config("zero0")], "has ZeRO stage 0; use ds_configs/zero1.json"),
     (["--overlap-param-gather", "--overlap-grad-reduce"], "--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: hybridlm has no context parallelism yet"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5: hybridlm applies RoPE to the whole head dimension"),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], "flex selects Megatron's DeepEP"),
     (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),

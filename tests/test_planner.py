@@ -76,7 +76,7 @@ def test_every_preset_layout_fits_its_gpus():
             continue  # CPU ranks
         cfg = _cfg(name)
         gbs = lay.global_batch_size or lay.micro_batch_size * lay.dp
-        planned = estimate(cfg, Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=lay.ep, zero=lay.zero,
+        planned = estimate(cfg, Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp, ep=lay.ep, cp=lay.cp, zero=lay.zero,
                                        sequence_parallel=lay.sequence_parallel, recompute=lay.recompute,
                                        micro_batch_size=lay.micro_batch_size, grad_accum=gbs // (lay.micro_batch_size * lay.dp),
                                        bf16=lay.bf16), backend="cudnn", fused=False)  # fits without the fused kernels too
@@ -116,3 +116,23 @@ def test_unknown_preset_is_one_sentence(capsys):
     from hybridlm.planner.report import main
     assert main(["--model", "llama-7b", "--gpus", "8"]) == 2
     assert "--model llama-7b: unknown preset; the presets are" in capsys.readouterr().err
+
+
+def test_context_parallelism_divides_activations_and_is_proposed_for_long_sequences(capsys):
+    from hybridlm.config import parse_args
+    from hybridlm.planner.memory import Layout, estimate
+    from hybridlm.planner.report import main
+    from hybridlm.planner.search import ring_traffic_bytes
+    cfg = _cfg("llama3-8b-128k")
+    one, cp8 = (estimate(cfg, Layout(cp=cp, dp=8 // cp, zero=2, recompute="full", grad_accum=4)) for cp in (1, 8))
+    assert cp8.activations_without_recompute == pytest.approx(one.activations_without_recompute / 8, rel=0.02)
+    assert cp8.logits == pytest.approx(one.logits / 8) and cp8.optimizer == pytest.approx(one.optimizer)
+    assert ring_traffic_bytes(cfg, Layout(cp=8)) > 0 == ring_traffic_bytes(cfg, Layout(dp=8))
+    assert main(["--model", "llama3-8b-128k", "--gpus", "8", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "Context parallelism: each GPU holds 16384 of every sample's 131072 tokens" in out
+    command = shlex.split(out.strip().splitlines()[-1])
+    run = parse_args(command[command.index("scripts/pretrain.py") + 1:])
+    run.parallel.zero_stage = int(run.train.deepspeed_config.split("zero")[1][0])
+    run.validate(8)
+    assert run.parallel.context_parallel_size == 8

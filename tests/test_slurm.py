@@ -19,7 +19,7 @@ from oracle import ROOT
 from slurm_cluster import LocalSlurm, unavailable
 
 GPU_TEMPLATES = {"7b.sbatch": "llama2-7b", "13b.sbatch": "llama2-13b", "70b.sbatch": "llama2-70b",
-                 "mixtral-8x7b.sbatch": "mixtral-8x7b"}
+                 "mixtral-8x7b.sbatch": "mixtral-8x7b", "llama3-8b-128k.sbatch": "llama3-8b-128k"}
 # A smaller model than the tiny preset, so the jobs spend their time in Slurm, not in training.
 SMALL = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --log-interval 1"
 # This one-node cluster has 2 CPUs and no GPUs: the command line overrides the templates' #SBATCH
@@ -152,6 +152,7 @@ def test_templates_render_into_a_pretrain_command_that_validates_for_their_alloc
     cfg.validate(lay.world_size)
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.zero_stage) == (lay.tp, lay.pp, lay.zero)
+    assert p.context_parallel_size == lay.cp
     assert cfg.train.bf16 == lay.bf16 and cfg.model.model == preset
 
 

@@ -253,14 +253,6 @@ def _overlap_param_gather(cfg) -> Optional[str]:
             "parameters inside the optimizer step)")
 
 
-def _context_parallel(cfg) -> Optional[str]:
-    cp = cfg.parallel.context_parallel_size
-    if cp != 1:
-        raise ConfigError(f"--context-parallel-size {cp}: hybridlm has no context parallelism yet; use 1, "
-                          "or --sequence-parallel with TP, or a shorter --seq-length.")
-    return None
-
-
 def _rotary_percent(cfg) -> Optional[str]:
     if cfg.model.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {cfg.model.rotary_percent}: hybridlm applies RoPE to the whole head "
@@ -313,8 +305,8 @@ def _profile(cfg) -> Optional[str]:
             f"{t.profile_dir}/ (Megatron's default profiler is nsys)")
 
 
-_RULES: tuple[Callable, ...] = (_distributed_optimizer, _overlap_grad_reduce, _overlap_param_gather, _context_parallel,
-                                _rotary_percent, _dispatcher, _fp8_param_gather, _grad_reduce_in_bf16, _ckpt_format, _profile)
+_RULES: tuple[Callable, ...] = (_distributed_optimizer, _overlap_grad_reduce, _overlap_param_gather, _rotary_percent,
+                                 _dispatcher, _fp8_param_gather, _grad_reduce_in_bf16, _ckpt_format, _profile)
 
 
 def markdown() -> str:

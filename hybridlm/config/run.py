@@ -32,12 +32,16 @@ class RunConfig:
         """Check the layout against the world and fill derived fields. Pure: no process groups."""
         m, p, t = self.model, self.parallel, self.train
         tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-        for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp), ("--expert-model-parallel-size", ep)):
+        cp = p.context_parallel_size
+        for flag, v in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp), ("--expert-model-parallel-size", ep),
+                        ("--context-parallel-size", cp)):
             if v < 1:
                 raise ConfigError(f"{flag} must be at least 1, got {v}.")
-        if world_size % (tp * pp):
-            raise ConfigError(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}; it must equal TP x PP x DP.")
-        p.data_parallel_size = world_size // (tp * pp)
+        if world_size % (tp * pp * cp):
+            if cp == 1:
+                raise ConfigError(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}; it must equal TP x PP x DP.")
+            raise ConfigError(f"world size {world_size} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp}; it must equal TP x PP x CP x DP.")
+        p.data_parallel_size = world_size // (tp * pp * cp)
         if m.num_attention_heads % tp:
             raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
         if m.num_query_groups % tp:
@@ -48,15 +52,18 @@ class RunConfig:
             raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds --num-layers {m.num_layers}: every stage needs a layer.")
         if ep > 1 and m.num_experts is None:
             raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts: a dense model has no experts to split.")
-        if p.data_parallel_size % ep:
-            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {p.data_parallel_size} "
-                              f"(world {world_size} / (TP x PP) = {p.data_parallel_size}); EP is carved out of DP.")
+        if p.data_parallel_size * cp % ep:
+            what = f"the data-parallel size {p.data_parallel_size}" if cp == 1 else f"DP x CP = {p.data_parallel_size} x {cp}"
+            raise ConfigError(f"--expert-model-parallel-size {ep} does not divide {what} "
+                              f"(world {world_size} / (TP x PP) = {p.data_parallel_size * cp}); EP is carved out of DP x CP.")
         if m.num_experts is not None:
             self._check_moe_layout(tp, ep)
         if p.sequence_parallel and tp == 1:
             p.sequence_parallel = False  # nothing to shard over; Megatron does the same
         if p.sequence_parallel and m.seq_length % tp:
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel needs.")
+        if cp > 1:
+            self._check_context_parallel(tp, cp)
         if p.recompute_num_layers is not None and p.recompute_granularity != "full":
             raise ConfigError("--recompute-num-layers needs --recompute-granularity full.")
         if p.recompute_method is not None and p.recompute_granularity != "full":
@@ -190,6 +197,36 @@ class RunConfig:
                 raise ConfigError("--ref-load cannot be combined with --reference none: a reference-free run reads no reference model.")
             if not t.load:
                 raise ConfigError("--task dpo needs --load: the policy starts from a checkpoint (and the reference defaults to it).")
+
+    def _check_context_parallel(self, tp: int, cp: int) -> None:
+        """What CP needs of the sequence and the heads, and what it has not been made to work with."""
+        m, p = self.model, self.parallel
+        flag = f"--context-parallel-size {cp}"
+        if m.seq_length % (2 * cp):
+            raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x CP = {2 * cp}: {flag} cuts each sample "
+                              "into 2 x CP chunks (rank i holds chunks i and 2CP-1-i, so causal work is balanced).")
+        if p.sequence_parallel and (m.seq_length // cp) % tp:
+            raise ConfigError(f"--seq-length {m.seq_length} / CP {cp} = {m.seq_length // cp} tokens per CP rank is not divisible by "
+                              f"--tensor-model-parallel-size {tp}, which --sequence-parallel needs.")
+        heads = m.num_attention_heads // tp
+        if p.cp_comm_type == "a2a" and heads % cp:
+            raise ConfigError(f"--cp-comm-type a2a cannot split {heads} attention heads per TP rank (--num-attention-heads "
+                              f"{m.num_attention_heads} / TP {tp}) over {flag}; use --cp-comm-type p2p or allgather.")
+        refuse_first(flag, (
+            (m.position_embedding_type == "learned_absolute", "--position-embedding-type learned_absolute: "
+             "use rope (each rank rotates its tokens by their global positions)"),
+            (m.cuda_graphs, "--cuda-graphs: a captured layer cannot hold the ring's send/recv; drop --cuda-graphs"),
+            (m.torch_compile, "--torch-compile yet: the ring's send/recv inside compiled layers has not been checked on NCCL; "
+             "drop --torch-compile"),
+            (m.attention_backend == "te", "--attention-backend te: Transformer Engine's own CP is not wired in; use flash, cudnn or sdpa"),
+            (m.attention_dropout > 0 and p.cp_comm_type != "a2a", f"--attention-dropout {m.attention_dropout} with --cp-comm-type "
+             f"{p.cp_comm_type}: its blockwise kernels draw no dropout; use --cp-comm-type a2a or --attention-dropout 0"),
+            (m.moe_capacity_factor is not None, f"--moe-capacity-factor {m.moe_capacity_factor}: which tokens an expert drops "
+             "would depend on how CP slices the sequence; use dropless routing (no capacity factor)"),
+            (self.posttrain.packing and p.cp_comm_type != "a2a", f"--packing with --cp-comm-type {p.cp_comm_type}: its "
+             "block-wise attention cannot keep packed samples apart; use --cp-comm-type a2a, or drop --packing "
+             "(one conversation per row)"),
+        ))
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""

@@ -12,8 +12,10 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = flag(1, "TP: ranks that split each weight matrix.")
     pipeline_model_parallel_size: int = flag(1, "PP: pipeline stages (DeepSpeed's 1F1B engine when > 1).")
-    expert_model_parallel_size: int = flag(1, "EP: ranks that split the experts (carved out of DP).")
-    context_parallel_size: int = flag(1, "CP: ranks that split each sequence (only 1 until context parallelism lands).")
+    expert_model_parallel_size: int = flag(1, "EP: ranks that split the experts (carved out of DP x CP).")
+    context_parallel_size: int = flag(1, "CP: ranks that split each sample's sequence (long context); to DeepSpeed they are data-parallel replicas.")
+    cp_comm_type: str = flag("p2p", "How CP ranks attend over the whole sequence: p2p (ring attention, K/V passed around), a2a (all-to-all to heads, Ulysses), allgather (K/V gathered).",
+                             choices=("p2p", "a2a", "allgather"))
     sequence_parallel: bool = flag(False, "Megatron sequence parallelism: shard norms/dropout activations over TP.")
     recompute_granularity: Optional[str] = flag(None, "Activation recompute: whole layers or only core attention.", choices=("full", "selective"))
     recompute_method: Optional[str] = flag(None, "With full recompute: uniform (every group of --recompute-num-layers layers checkpointed as one unit) or block (the first --recompute-num-layers layers of each stage, one unit each) (default: every layer, one unit each).", choices=("uniform", "block"))
@@ -23,7 +25,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduction with backward: DeepSpeed's overlap_comm (ZeRO 1-3, PP = 1).")
     overlap_param_gather: bool = flag(False, "Overlap the parameter all-gather with the next forward: ZeRO-3 prefetches parameters; ZeRO-1/2 gather inside the step, so it changes nothing there.")
     zero_stage: int = flag(0, "Derived from the DeepSpeed JSON.", cli=False)
-    data_parallel_size: int = flag(1, "Derived: world / (TP x PP).", cli=False)
+    data_parallel_size: int = flag(1, "Derived: world / (TP x PP x CP).", cli=False)
 
 
 @dataclass

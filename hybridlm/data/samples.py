@@ -6,7 +6,10 @@ global batch of step ``t`` is samples
 ``[t*G, (t+1)*G)``; micro-step ``m`` of DP rank ``r`` takes the ``r``-th of the DP slices of
 its chunk. Every layout therefore sees exactly the same samples in each step, which is
 what lets a parallel run equal the single-process run, and the position to resume from
-is simply ``consumed_samples = t*G``.
+is simply ``consumed_samples = t*G``. Under context parallelism each CP rank of a DP rank
+reads the same samples and keeps its slice of each sequence: this is the one place a
+sample is sliced (``context_slice``: tokens, labels and position ids alike, in
+``hybridlm.parallel.context``'s load-balanced layout that attention, RoPE and the loss assume).
 """
 from __future__ import annotations
 
@@ -14,20 +17,32 @@ from typing import Iterator
 
 import torch
 
+from ..parallel.context import slice_for_rank
+
 
 def micro_batches(stream, *, micro_batch_size: int, global_batch_size: int, dp_rank: int, dp_size: int,
-                  start_iteration: int = 0, device=None) -> Iterator[tuple]:
-    """(inputs, labels) micro-batches for one DP rank, forever, from ``start_iteration`` on (each a
-    tensor, or for fine-tuning a tuple of tensors: tokens and position ids, labels and what the loss needs)."""
+                  start_iteration: int = 0, device=None, cp_rank: int = 0, cp_size: int = 1) -> Iterator[tuple]:
+    """(inputs, labels) micro-batches for one DP rank (and CP rank), forever, from ``start_iteration`` on
+    (each a tensor, or for fine-tuning a tuple of tensors: tokens and position ids, labels and what the
+    loss needs), cut to the CP rank's slice of the sequence (``context_slice``)."""
     per_micro_step = micro_batch_size * dp_size
     accumulation = global_batch_size // per_micro_step
     iteration = start_iteration
     while True:
         for m in range(accumulation):
             first = iteration * global_batch_size + m * per_micro_step + dp_rank * micro_batch_size
-            inputs, labels = stream.batch(first, micro_batch_size)
+            inputs, labels = (context_slice(part, cp_rank, cp_size) for part in stream.batch(first, micro_batch_size))
             yield to_device(inputs, device), to_device(labels, device)
         iteration += 1
+
+
+def context_slice(t, cp_rank: int, cp_size: int):
+    """CP rank ``cp_rank``'s part of a batch (a tensor or a tuple of them): every [rows, sequence]
+    tensor (tokens, labels with their ignored positions, position ids) cut to the rank's load-balanced
+    slice of the sequence, the same positions in each; per-row values ([rows]: DPO's pair ids) whole."""
+    if isinstance(t, tuple):
+        return tuple(context_slice(x, cp_rank, cp_size) for x in t)
+    return slice_for_rank(t, 1, cp_rank, cp_size) if t.dim() >= 2 else t
 
 
 def to_device(t, device):

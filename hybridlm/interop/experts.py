@@ -22,9 +22,9 @@ def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def save_expert_weights(module: nn.Module, tag_dir: str, layout: Layout, ps) -> None:
-    """Called on every rank; the ranks of the first EP group of each DP group write."""
+    """Called on every rank; the ranks of the first EP group of each data-parallel (DP x CP) group write."""
     experts = expert_parameters(module)
-    if not experts or ps.dp.rank >= ps.ep.size:
+    if not experts or ps.grad_reduction.rank >= ps.ep.size:
         return
     path = layout.expert_file(tag_dir, ps.pp.rank, ps.tp.rank, ps.ep.rank)
     tmp = f"{path}.tmp"

@@ -37,6 +37,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
     zero_stage: int = 0
     bf16: bool = False
     fp16: bool = False
@@ -45,7 +46,13 @@ class Layout:
     def of_run(cls, cfg: RunConfig) -> "Layout":
         p, t = cfg.parallel, cfg.train
         return cls(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
-                   ep=p.expert_model_parallel_size, zero_stage=p.zero_stage, bf16=t.bf16, fp16=t.fp16)
+                   ep=p.expert_model_parallel_size, cp=p.context_parallel_size, zero_stage=p.zero_stage, bf16=t.bf16, fp16=t.fp16)
+
+    @property
+    def data_ranks(self) -> int:
+        """DeepSpeed's data-parallel size, which numbers its ZeRO files: DP x CP (CP ranks are
+        data-parallel replicas to it, hybridlm.parallel.state)."""
+        return self.dp * self.cp
 
     def mp_rank(self, pp_rank: int, tp_rank: int) -> int:
         """DeepSpeed's model-parallel rank (the ``mp_rank_XX`` in file names): stage-major, TP inside."""
@@ -57,7 +64,8 @@ class Layout:
 
     def describe(self) -> str:
         precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
-        return f"TP={self.tp} PP={self.pp} DP={self.dp} EP={self.ep} ZeRO-{self.zero_stage} {precision}"
+        cp = f" CP={self.cp}" if self.cp > 1 else ""
+        return f"TP={self.tp} PP={self.pp} DP={self.dp}{cp} EP={self.ep} ZeRO-{self.zero_stage} {precision}"
 
 
 @dataclass

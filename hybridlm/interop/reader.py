@@ -246,7 +246,7 @@ class CheckpointReader:
             self._stage_of = {}
             for pp_rank in reversed(range(self.layout.pp)):  # reversed: the first stage's entry is written last
                 mp = self.layout.mp_rank(pp_rank, 0)
-                for dp_rank in range(self.layout.dp):  # each rank's mapping names only the parameters in its partition
+                for dp_rank in range(self.layout.data_ranks):  # each rank's mapping names only the parameters in its partition
                     path = self._zero_file(dp_rank, mp)
                     if not os.path.isfile(path):
                         raise self._missing(os.path.basename(path))
@@ -263,7 +263,7 @@ class CheckpointReader:
         mp = self.layout.mp_rank(self._stage(name), tp_rank)
         expert = self.params[name].is_expert
         pieces = []
-        for dp_rank in range(self.layout.dp):
+        for dp_rank in range(self.layout.data_ranks):
             if expert and dp_rank % self.layout.ep != ep_rank:
                 continue  # expert groups are partitioned over the ranks of this EP rank only
             path = self._zero_file(dp_rank, mp)
@@ -290,7 +290,7 @@ class CheckpointReader:
             raise self._missing(f"ZeRO-3 partition of {name}")
         sub_group, offset, partition_numel = index[name]
         parts = []
-        for dp_rank in range(self.layout.dp):
+        for dp_rank in range(self.layout.data_ranks):
             osd = self._file(self._zero_file(dp_rank, mp))["optimizer_state_dict"]
             flat = osd["fp32_flat_groups"][sub_group] if key == "fp32" else osd["optimizer_state_dict"]["state"][sub_group][key]
             parts.append(flat.narrow(0, offset, partition_numel))
@@ -307,7 +307,7 @@ class CheckpointReader:
         if not os.path.isfile(first):
             raise self._missing(os.path.basename(first))
         sizes = [t.numel() for t in self._file(first)["optimizer_state_dict"]["fp32_flat_groups"]]
-        index, sub_group, offset, dp = {}, 0, 0, self.layout.dp
+        index, sub_group, offset, dp = {}, 0, 0, self.layout.data_ranks
         for name, shape in shapes:
             partition = -(-_numel(shape) // dp)
             while sub_group < len(sizes) and offset + partition > sizes[sub_group]:

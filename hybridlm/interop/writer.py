@@ -56,7 +56,7 @@ def write_checkpoint(output: str, run: RunConfig, full_tensor: Callable[[str], t
     tag_dir = os.path.join(staging, TAG)
     os.makedirs(tag_dir)
     header = {"buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None, "skipped_steps": 0,
-              "global_steps": 0, "global_samples": 0, "dp_world_size": layout.dp, "mp_world_size": layout.tp * layout.pp,
+              "global_steps": 0, "global_samples": 0, "dp_world_size": layout.data_ranks, "mp_world_size": layout.tp * layout.pp,
               "checkpoint_parallel_dimensions": {"pp_degree": layout.pp, "tp_degree": layout.tp}, "iteration": 0,
               "consumed_samples": 0}
     try:

@@ -10,26 +10,37 @@ class Rotary:
     """RoPE in the Llama / Hugging Face layout (rotate the two halves of each head).
     cos/sin are computed in fp32 and cached per (length, device); not a module buffer,
     so a bf16 cast of the model never rounds the frequencies. ``kernel`` applies them
-    (hybridlm.ops: a fused kernel, or the PyTorch definition)."""
+    (hybridlm.ops: a fused kernel, or the PyTorch definition). Each token is rotated by its
+    position: the batch's own position ids when it carries them (packed samples restart at 0),
+    else ``positions(length, device)``: the global positions of the rows a rank holds (context
+    parallelism: slices of the sequence), or None for 0..length-1."""
 
-    def __init__(self, head_dim: int, base: float, kernel=reference_ops.rotary):
+    def __init__(self, head_dim: int, base: float, kernel=reference_ops.rotary, positions=None):
         self.head_dim, self.base, self.kernel = head_dim, base, kernel
+        self.positions = positions
         self._cache: dict = {}
 
+    def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., d] (fp32) of integer ``positions`` of any shape."""
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=positions.device) / self.head_dim))
+        angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+        emb = torch.cat([angles, angles], dim=-1)
+        return emb.cos(), emb.sin()
+
     def cos_sin(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [s, d] of the ``seq_len`` rows this rank holds."""
         key = (seq_len, str(device))
         if key not in self._cache:
-            inv_freq = 1.0 / (self.base ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
-            angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
-            emb = torch.cat([angles, angles], dim=-1)
-            self._cache = {key: (emb.cos(), emb.sin())}  # [s, d]
+            positions = self.positions(seq_len, device) if self.positions is not None else None
+            self._cache = {key: self.rotation(torch.arange(seq_len, device=device) if positions is None else positions)}
         return self._cache[key]
 
     def apply(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [s, b, heads, d]; ``position_ids`` [b, s] when packed samples restart their positions
-        (then the PyTorch definition runs: the fused kernels take one position table for all rows)."""
-        cos, sin = self.cos_sin(x.shape[0], x.device)
+        """x: [s, b, heads, d]; ``position_ids`` [b, s] when the batch carries them (packed samples,
+        whose positions restart; then the PyTorch definition runs: the fused kernels take one
+        position table for all rows)."""
         if position_ids is None:
+            cos, sin = self.cos_sin(x.shape[0], x.device)
             return self.kernel(x, cos, sin)
-        rows = position_ids.t()
-        return reference_ops.rotary(x, cos[rows], sin[rows])
+        cos, sin = self.rotation(position_ids.t())
+        return reference_ops.rotary(x, cos, sin)

@@ -230,6 +230,170 @@ def _resolve_packing(name: str, attention_dropout: float) -> tuple[str, str]:
     return "sdpa", "auto with --packing: SDPA with a block-diagonal causal mask (no flash-attn)"
 
 
+# ---------------------------------------------------------------- the log-sum-exp variants
+#
+# Context parallelism (hybridlm.parallel.context) computes attention block by block and merges
+# the blocks by their log-sum-exp. A block kernel: ``forward(q, k, v, causal) -> (out, lse)`` with
+# q [sq, b, h, d], k, v [sk, b, g, d], out like q and lse [b, h, sq] in fp32; ``backward(dout, q, k,
+# v, out, lse, causal) -> (dq, dk, dv)`` where ``out`` and ``lse`` are the *merged* ones (flash
+# attention's backward needs nothing else from the other blocks). ``causal`` only on square blocks.
+
+class MathBlockAttention:
+    """The definition in plain PyTorch (fp32 arithmetic or wider, any device): the CPU path and
+    what the GPU kernels are tested against. Materialises the [b, h, sq, sk] scores."""
+
+    @staticmethod
+    def _widen(t):
+        return t.to(torch.promote_types(t.dtype, torch.float32))
+
+    def _scores(self, q, k, causal):
+        repeat = q.shape[2] // k.shape[2]
+        scores = torch.einsum("qbhd,kbhd->bhqk", self._widen(q), self._widen(k).repeat_interleave(repeat, dim=2)) / q.shape[-1] ** 0.5
+        if causal:
+            mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        return scores
+
+    def forward(self, q, k, v, causal: bool):
+        scores = self._scores(q, k, causal)
+        lse = scores.logsumexp(-1)
+        repeat = q.shape[2] // k.shape[2]
+        out = torch.einsum("bhqk,kbhd->qbhd", torch.exp(scores - lse.unsqueeze(-1)), self._widen(v).repeat_interleave(repeat, dim=2))
+        return out.to(q.dtype), lse
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool):
+        repeat = q.shape[2] // k.shape[2]
+        probs = torch.exp(self._scores(q, k, causal) - lse.unsqueeze(-1))
+        dout = self._widen(dout)
+        dv = torch.einsum("bhqk,qbhd->kbhd", probs, dout)
+        dprobs = torch.einsum("qbhd,kbhd->bhqk", dout, self._widen(v).repeat_interleave(repeat, dim=2))
+        row_dot = (dout * self._widen(out)).sum(-1).permute(1, 2, 0)  # [b, h, sq]
+        dscores = probs * (dprobs - row_dot.unsqueeze(-1)) / q.shape[-1] ** 0.5
+        dq = torch.einsum("bhqk,kbhd->qbhd", dscores, self._widen(k).repeat_interleave(repeat, dim=2))
+        dk = torch.einsum("bhqk,qbhd->kbhd", dscores, self._widen(q))
+        return dq, _fold_heads(dk, k.shape[2]), _fold_heads(dv, k.shape[2])
+
+
+def _bhsd(t):
+    return t.permute(1, 2, 0, 3)
+
+
+def _sbhd(t):
+    return t.permute(2, 0, 1, 3)
+
+
+def _same_heads(q, k, v):
+    repeat = q.shape[2] // k.shape[2]
+    return (k, v) if repeat == 1 else (k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2))
+
+
+def _unused_rng(t):
+    """The philox seed/offset a kernel without dropout never reads (0-dim int64, as torch makes them)."""
+    return torch.zeros((), dtype=torch.int64, device=t.device)
+
+
+def _fold_heads(grad, groups: int):
+    s, b, heads, d = grad.shape
+    return grad if heads == groups else grad.view(s, b, groups, heads // groups, d).sum(3)
+
+
+class TorchFlashBlockAttention(MathBlockAttention):
+    """torch's own flash-attention kernel (the one behind SDPA on GPUs) called through its
+    log-sum-exp-returning ATen entry points; half precision on CUDA, else the definition."""
+
+    def forward(self, q, k, v, causal: bool):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().forward(q, k, v, causal)
+        k, v = _same_heads(q, k, v)
+        result = torch.ops.aten._scaled_dot_product_flash_attention(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal)
+        return _sbhd(result[0]), result[1]
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().backward(dout, q, k, v, out, lse, causal)
+        groups = k.shape[2]
+        k, v = _same_heads(q, k, v)
+        # no cumulative sequence lengths (None: not the variable-length kernel), as torch's own
+        # ring attention (torch.distributed.tensor.experimental) calls it
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), None, None, q.shape[0], k.shape[0],
+            0.0, causal, _unused_rng(q), _unused_rng(q))
+        return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
+
+
+class CuDNNBlockAttention(MathBlockAttention):
+    """cuDNN's fused attention through torch's log-sum-exp-returning ATen entry points."""
+
+    def forward(self, q, k, v, causal: bool):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().forward(q, k, v, causal)
+        k, v = _same_heads(q, k, v)
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal)
+        return _sbhd(result[0]), result[1].reshape(q.shape[1], q.shape[2], q.shape[0]).float()
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().backward(dout, q, k, v, out, lse, causal)
+        groups = k.shape[2]
+        k, v = _same_heads(q, k, v)
+        # cuDNN wants the output and its gradient in one layout: both [b, s, h, d] in memory
+        out_bshd, dout_bshd = out.transpose(0, 1).contiguous(), dout.transpose(0, 1).contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout_bshd.transpose(1, 2), _bhsd(q), _bhsd(k), _bhsd(v), out_bshd.transpose(1, 2), lse.unsqueeze(-1).contiguous(),
+            _unused_rng(q), _unused_rng(q), None, None, None, q.shape[0], k.shape[0], 0.0, causal)
+        return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
+
+
+class FlashAttnBlockAttention(MathBlockAttention):
+    """flash-attn's kernels with their log-sum-exp (2.x: ``_flash_attn_forward``/``_backward``;
+    flash-attn-4: ``_flash_attn_fwd``/``_bwd``), [b, s, h, d] views of our [s, b, h, d]; grouped-query
+    attention natively. Half precision on CUDA, else the definition."""
+
+    def __init__(self):
+        try:
+            from flash_attn import flash_attn_interface as interface
+            self.version, self.interface = "2", interface
+        except ImportError:
+            from flash_attn.cute import interface
+            self.version, self.interface = "4", interface
+
+    def forward(self, q, k, v, causal: bool):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().forward(q, k, v, causal)
+        q_, k_, v_ = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+        scale = q.shape[-1] ** -0.5
+        if self.version == "2":
+            result = self.interface._flash_attn_forward(q_, k_, v_, 0.0, scale, causal=causal, window_size_left=-1,
+                                                        window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False)
+        else:
+            result = self.interface._flash_attn_fwd(q_, k_, v_, softmax_scale=scale, causal=causal, return_lse=True)
+        return result[0].transpose(0, 1), result[1]
+
+    def backward(self, dout, q, k, v, out, lse, causal: bool):
+        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+            return super().backward(dout, q, k, v, out, lse, causal)
+        q_, k_, v_, out_, dout_ = (t.transpose(0, 1).contiguous() for t in (q, k, v, out, dout))
+        scale, lse = q.shape[-1] ** -0.5, lse.contiguous()
+        if self.version == "2":
+            dq, dk, dv = torch.empty_like(q_), torch.empty_like(k_), torch.empty_like(v_)
+            self.interface._flash_attn_backward(dout_, q_, k_, v_, out_, lse, dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None, False)
+        else:
+            dq, dk, dv = self.interface._flash_attn_bwd(q_, k_, v_, out_, dout_, lse, scale, causal)[:3]
+        return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+
+
+def make_block_attention(backend: str):
+    """The log-sum-exp variant of a resolved backend, for context parallelism's ring and all-gather
+    (Transformer Engine is refused with CP before this is reached)."""
+    if backend == "flash":
+        return FlashAttnBlockAttention()
+    if backend == "cudnn":
+        return CuDNNBlockAttention()
+    if backend == "sdpa":
+        return TorchFlashBlockAttention()
+    return MathBlockAttention()
+
+
 def make_attention_core(backend: str, *, heads: int, groups: int, head_dim: int, dropout: float) -> Callable:
     """The core for a resolved backend name; ``heads``/``groups`` are this TP rank's."""
     if backend == "sdpa":

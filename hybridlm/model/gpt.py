@@ -27,7 +27,7 @@ from ..ops import reference as reference_ops
 from ..parallel.plan import ParallelPlan
 from ..parallel.tensor_parallel import scaled_init_std
 from .attention import Rotary
-from .attention_backends import make_attention_core, resolve_backend
+from .attention_backends import make_attention_core, make_block_attention, resolve_backend
 from .weights import mark_vocabulary_rows
 
 
@@ -103,13 +103,14 @@ class Attention(nn.Module):
                                       init_std=cfg.init_method_std, input_norm=input_norm)
         self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
-        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
+        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary, positions=plan.sequence_positions)
                        if cfg.position_embedding_type == "rope" else None)
         backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape,
                                      packing=cfg.packed_samples)
-        self.core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
-                                        groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
-                                        dropout=cfg.attention_dropout)
+        core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
+                                   groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
+                                   dropout=cfg.attention_dropout)
+        self.core = plan.attention(core, make_block_attention(backend))
         self.dropout = cfg.attention_dropout
         self.selective_recompute = selective_recompute
 
@@ -299,10 +300,11 @@ def tied_output(embedding: Embedding, x):
 class LMLoss:
     """Mean next-token cross-entropy of vocab-split logits [s, b, padded v/TP] against labels
     [b, s], over the ``vocab_size`` real entries (the padding, whose amount depends on TP,
-    takes no part: the same model gives the same loss at every TP)."""
+    takes no part: the same model gives the same loss at every TP), and over the whole
+    micro-batch (the plan's mean: a rank may hold only a slice of each sample)."""
 
     def __init__(self, plan: ParallelPlan, vocab_size: int | None = None):
         self.plan, self.vocab_size = plan, vocab_size
 
     def __call__(self, logits, labels):
-        return self.plan.cross_entropy(logits, labels.t(), self.vocab_size).mean()
+        return self.plan.token_mean(self.plan.cross_entropy(logits, labels.t(), self.vocab_size))

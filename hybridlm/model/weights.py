@@ -85,6 +85,7 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, tp:
 
     Dense tensors come from DP rank 0; expert tensors from the first EP group of the DP
     group (DP ranks 0..EP-1: EP groups are consecutive chunks of DP), one EP rank each.
+    Pass ``ps.grad_reduction`` as ``dp`` (DP x CP under context parallelism: CP ranks hold replicas).
     Every rank must call it; every rank gets the full dict. Meant for tests and small models:
     it moves everything through ``all_gather_object``.
     """

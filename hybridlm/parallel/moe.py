@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
 
+from .context import sum_over_context_parallel
 from .sequence import all_gather_dim0, gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
 from .tensor_parallel import Sharding, copy_to_tensor_parallel, reduce_from_tensor_parallel, scaled_init_std, tag_parameter
@@ -198,12 +199,12 @@ class MoELayer(nn.Module):
     """Routed experts for [seq, batch, hidden] activations in the sequence region; see the module docstring."""
 
     def __init__(self, cfg, *, layer_number: int, tp: GroupHandle = SINGLE, ep: GroupHandle = SINGLE,
-                 expert_dp: GroupHandle = SINGLE, sequence_parallel: bool = False, device=None, dtype=None):
+                 expert_dp: GroupHandle = SINGLE, cp: GroupHandle = SINGLE, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         experts, ffn, hidden = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
         if experts % ep.size or ffn % tp.size:
             raise ValueError(f"{experts} experts of width {ffn} do not split over EP {ep.size} x TP {tp.size}")
-        self.layer_number, self.tp, self.ep = layer_number, tp, ep
+        self.layer_number, self.tp, self.ep, self.cp = layer_number, tp, ep, cp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.num_experts, self.local_experts, self.topk = experts, experts // ep.size, cfg.moe_router_topk
         self.capacity_factor, self.z_coeff = cfg.moe_capacity_factor, cfg.moe_z_loss_coeff
@@ -254,15 +255,23 @@ class MoELayer(nn.Module):
 
     def _aux_losses(self, logits, top_idx):
         """Load-balancing loss E/(T^2 k) x sum_e (probability mass_e x assignments_e) and z-loss
-        mean(logsumexp^2), both over the micro-batch's T tokens (summed over TP under SP), weighted."""
+        mean(logsumexp^2), both over the micro-batch's T tokens (summed over TP under SP, and
+        over CP, whose ranks hold the other slices of the same samples), weighted. Also returns
+        the assignments of this rank's tokens."""
         prob_mass = logits.softmax(-1).sum(0)
         lse_squared = logits.logsumexp(-1).square().sum()
         if self.sequence_parallel:
             prob_mass = reduce_from_tensor_parallel(prob_mass, self.tp)
             lse_squared = reduce_from_tensor_parallel(lse_squared, self.tp)
         counts = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts)
-        tokens = top_idx.shape[0]
-        balance = self.num_experts / (tokens * tokens * self.topk) * (prob_mass * counts).sum()
+        tokens, all_counts = top_idx.shape[0], counts
+        if self.cp.size > 1:
+            prob_mass = sum_over_context_parallel(prob_mass, self.cp)
+            lse_squared = sum_over_context_parallel(lse_squared, self.cp)
+            all_counts = counts.clone()
+            dist.all_reduce(all_counts, group=self.cp.group)
+            tokens *= self.cp.size
+        balance = self.num_experts / (tokens * tokens * self.topk) * (prob_mass * all_counts).sum()
         return self.aux_coeff * balance, self.z_coeff * lse_squared / tokens, counts
 
     def _dispatch(self, tokens, top_idx, weights, keep):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..ops import Kernels, reference_kernels
+from .context import ContextParallelAttention, load_balanced_positions, sum_over_context_parallel
 from .moe import MoELayer
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
@@ -38,6 +39,7 @@ class _BetweenTPCrossings:
 
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
+                 cp: GroupHandle = SINGLE, cp_comm_type: str = "p2p",
                  sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
                  local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
                  local_norm_mlp: Callable | None = None,
@@ -48,8 +50,11 @@ class ParallelPlan:
         (norm, fc1 weight, fc2 weight, activation) for a whole norm + MLP block on this rank's
         shards (TE's LayerNormMLP); ``layer_context``: what each transformer layer's forward
         runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
-        (``hybridlm.ops.select_kernels``; default: the PyTorch definitions)."""
+        (``hybridlm.ops.select_kernels``; default: the PyTorch definitions). ``cp``: the context-parallel
+        group, which splits every sample's sequence (``hybridlm.parallel.context``), and ``cp_comm_type``
+        how attention crosses it."""
         self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
+        self.cp, self.cp_comm_type = cp, cp_comm_type
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
@@ -96,8 +101,34 @@ class ParallelPlan:
 
     def moe(self, cfg, layer_number: int) -> MoELayer:
         """Routed experts (router, dispatch over EP, experts split over EP and TP) for one layer."""
-        return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp,
+        return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp, cp=self.cp,
                         sequence_parallel=self.sequence_parallel, device=self.device, dtype=self.dtype)
+
+    def attention(self, core: Callable, block_kernel) -> Callable:
+        """The attention core over the whole sequence: ``core`` itself, or under CP the ring /
+        all-to-all / all-gather around it (``block_kernel``: its log-sum-exp variant)."""
+        if self.cp.size == 1:
+            return core
+        return ContextParallelAttention(self.cp, self.cp_comm_type, core, block_kernel)
+
+    def sequence_positions(self, length: int, device) -> torch.Tensor | None:
+        """Global positions of the ``length`` rows this rank holds (for RoPE); None: 0..length-1."""
+        if self.cp.size == 1:
+            return None
+        return load_balanced_positions(length * self.cp.size, self.cp.rank, self.cp.size, device=device)
+
+    def token_mean(self, per_token: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-token quantity over the whole micro-batch (every CP rank's tokens)."""
+        if self.cp.size == 1:
+            return per_token.mean()
+        return self.sequence_sum(per_token.sum()) / (per_token.numel() * self.cp.size)
+
+    def sequence_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A sum over whole sequences from this rank's part of it: under CP summed over the CP ranks,
+        by an all-reduce whose backward is again one (``hybridlm.parallel.context``: each rank's
+        gradient is then CP times its share, which DeepSpeed's average over DP x CP expects of a
+        value every CP rank holds)."""
+        return sum_over_context_parallel(partial, self.cp)
 
     def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,
                    in_sequence_region: bool = False) -> nn.Parameter:

@@ -1,10 +1,15 @@
 """Process groups: one object built from DeepSpeed's topology, passed to whoever needs a group.
 
-Rank order follows DeepSpeed's ``PipeModelDataParallelTopology`` with axes (pipe, data,
-model): TP is innermost, so a TP group is consecutive ranks (one node's NVLink island),
-then DP, then PP outermost. Expert parallelism (EP) is carved out of DP: each DP group is
-cut into consecutive chunks of EP ranks (the EP groups); ranks at the same position in
-each chunk form the expert-data-parallel group that reduces expert gradients.
+Rank order is Megatron's: TP innermost (consecutive ranks: one node's NVLink island), then
+context parallelism (CP), then DP, then PP outermost, so TP and CP groups stay inside a node
+as long as TP x CP fits in one. It is DeepSpeed's ``PipeModelDataParallelTopology`` (axes
+pipe, data, model) with a data axis of DP x CP ranks, CP inside it: to DeepSpeed a CP rank is
+one more data-parallel replica (same weights, its own slice of every sample), so DeepSpeed's
+data-parallel group (``grad_reduction``: gradient averaging, ZeRO partitioning, the pipeline
+engine's groups) is DP x CP, while ``dp`` (which samples a rank reads) and ``cp`` (which slice of
+them) are the two factors. Expert parallelism (EP) is carved out of that data axis: each
+data group is cut into consecutive chunks of EP ranks (the EP groups); ranks at the same
+position in each chunk form the expert-data-parallel group that reduces expert gradients.
 
 The rank lists are pure functions of the sizes (``layout_groups``) so they can be tested
 without a cluster; ``ParallelState`` turns them into torch process groups, and also
@@ -33,13 +38,16 @@ def make_topology(tp: int, pp: int, dp: int) -> PipeModelDataParallelTopology:
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
-def layout_groups(tp: int, pp: int, dp: int, ep: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of each kind as lists of global ranks, TP innermost."""
-    topo = make_topology(tp, pp, dp)
-    groups = {"tp": topo.get_axis_comm_lists("model"), "dp": topo.get_axis_comm_lists("data"),
-              "pp": topo.get_axis_comm_lists("pipe"), "ep": [], "expert_dp": []}
-    for dp_ranks in groups["dp"]:
-        chunks = [dp_ranks[i:i + ep] for i in range(0, dp, ep)]
+def layout_groups(tp: int, pp: int, dp: int, ep: int = 1, cp: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of each kind as lists of global ranks: TP innermost, then CP, DP, PP.
+    ``grad_reduction`` is DeepSpeed's data-parallel axis (DP x CP); ``cp`` and ``dp`` split it."""
+    topo = make_topology(tp, pp, dp * cp)
+    data = topo.get_axis_comm_lists("data")  # data index = dp rank * CP + cp rank
+    groups = {"tp": topo.get_axis_comm_lists("model"), "grad_reduction": data, "pp": topo.get_axis_comm_lists("pipe"),
+              "cp": [ranks[i:i + cp] for ranks in data for i in range(0, dp * cp, cp)],
+              "dp": [ranks[i::cp] for ranks in data for i in range(cp)], "ep": [], "expert_dp": []}
+    for data_ranks in data:
+        chunks = [data_ranks[i:i + ep] for i in range(0, dp * cp, ep)]
         groups["ep"] += chunks
         groups["expert_dp"] += [list(column) for column in zip(*chunks)]
     return groups
@@ -48,28 +56,36 @@ def layout_groups(tp: int, pp: int, dp: int, ep: int = 1) -> dict[str, list[list
 class ParallelState:
     """The process groups of one run. Build it once after ``init_process_group``."""
 
-    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1):
-        self.sizes = dict(tp=tp, pp=pp, dp=dp, ep=ep)
-        self.topology = make_topology(tp, pp, dp)
-        world = tp * pp * dp
+    def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, cp: int = 1):
+        self.sizes = dict(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
+        self.topology = make_topology(tp, pp, dp * cp)
+        world = tp * pp * dp * cp
         if not dist.is_initialized():
             if world != 1:
                 raise RuntimeError(f"a layout of {world} ranks needs torch.distributed to be initialised first")
             self.grid = None
-            self.tp = self.dp = self.pp = self.ep = self.expert_dp = SINGLE
+            self.tp = self.dp = self.cp = self.grad_reduction = self.pp = self.ep = self.expert_dp = SINGLE
             self.global_rank, self.stage = 0, 0
             return
         if dist.get_world_size() != world:
-            raise RuntimeError(f"world size {dist.get_world_size()} != TP x PP x DP = {tp} x {pp} x {dp}")
+            raise RuntimeError(f"world size {dist.get_world_size()} != TP x PP x DP x CP = {tp} x {pp} x {dp} x {cp}")
         self.global_rank = dist.get_rank()
-        # DeepSpeed's grid builds the TP ('slice'), DP, PP and TP x PP groups; ZeRO and the
-        # pipeline engine take their groups from an object like it, so ours are the same ranks.
+        # DeepSpeed's grid builds the TP ('slice'), data (DP x CP), PP and TP x PP groups; ZeRO and
+        # the pipeline engine take their groups from an object like it, so ours are the same ranks.
         self.grid = PipelineParallelGrid(topology=self.topology)
         self.stage = self.grid.get_stage_id()
         self.tp = GroupHandle(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(), tp)
-        self.dp = GroupHandle(self.grid.get_data_parallel_group(), self.grid.get_data_parallel_rank(), dp)
+        # DeepSpeed's data-parallel group, DP x CP: the ranks it averages dense gradients over and
+        # partitions ZeRO state over. A loss normalised by a global count (fine-tuning) sums that
+        # count over it; so do statistics of what each rank routed or computed (MoE, DPO metrics).
+        self.grad_reduction = GroupHandle(self.grid.get_data_parallel_group(), self.grid.get_data_parallel_rank(), dp * cp)
         self.pp = GroupHandle(self.grid.get_pipe_parallel_group(), self.stage, pp)
-        lists = layout_groups(tp, pp, dp, ep)
+        lists = layout_groups(tp, pp, dp, ep, cp)
+        if cp == 1:
+            self.dp, self.cp = self.grad_reduction, SINGLE
+        else:
+            self.dp = self._new_groups(lists["dp"])
+            self.cp = self._new_groups(lists["cp"])
         self.ep = self._new_groups(lists["ep"])
         self.expert_dp = self._new_groups(lists["expert_dp"])
 
@@ -82,12 +98,6 @@ class ParallelState:
         return mine
 
     @property
-    def grad_reduction(self) -> GroupHandle:
-        """The ranks DeepSpeed averages dense gradients over (DP here; with context parallelism DP x CP):
-        a loss normalised by a global count sums that count over this group."""
-        return self.dp
-
-    @property
     def is_first_stage(self) -> bool:
         return self.stage == 0
 
@@ -97,9 +107,11 @@ class ParallelState:
 
     def __repr__(self) -> str:
         return (f"ParallelState(rank={self.global_rank}, tp={self.tp.rank}/{self.tp.size}, pp={self.pp.rank}/{self.pp.size}, "
-                f"dp={self.dp.rank}/{self.dp.size}, ep={self.ep.rank}/{self.ep.size})")
+                f"dp={self.dp.rank}/{self.dp.size}, cp={self.cp.rank}/{self.cp.size}, ep={self.ep.rank}/{self.ep.size})")
 
-    # ---- DeepSpeed's mpu interface (ZeRO, gradient norm, activation checkpointing)
+    # ---- DeepSpeed's mpu interface (ZeRO, gradient norm, activation checkpointing). Its
+    # "data parallel" is the DP x CP group: CP ranks hold the same weights, so their gradients
+    # are averaged and their ZeRO state partitioned together with the DP replicas'.
     def get_model_parallel_rank(self) -> int:
         return self.grid.get_model_parallel_rank() if self.grid else 0
 
@@ -128,13 +140,13 @@ class ParallelState:
         return self.tp.group
 
     def get_data_parallel_rank(self) -> int:
-        return self.dp.rank
+        return self.grad_reduction.rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.dp.size
+        return self.grad_reduction.size
 
     def get_data_parallel_group(self):
-        return self.dp.group
+        return self.grad_reduction.group
 
     def get_pipe_parallel_rank(self) -> int:
         return self.pp.rank

@@ -36,6 +36,11 @@ h hidden, A = heads x head_dim, G = groups x head_dim, f the MLP width, t = TP, 
                     flash-attn's contiguous copies e(3A+2G)/t
   SwiGLU MLP        fc1 output e 2f/t, silu(gate) e f/t (not with the fused kernel), fc2 input e f/t
 
+Context parallelism (CP) gives each rank 1/CP of every sample's tokens: activations and logits
+count the micro-batch's tokens / CP; ring attention (p2p) adds the K/V block in hand and the one
+arriving (2 x e 2G/t per local token), dropped after the layer. To ZeRO a CP rank is one more
+data-parallel replica: states are partitioned over DP x CP.
+
 Full recompute keeps each layer's input (e h, split over TP by SP or DeepSpeed's partitioned
 activations) and rebuilds one layer at a time in backward; selective recompute rebuilds the
 attention kernel (its output is not kept). Under 1F1B the first stage has min(PP, micro-batches)
@@ -63,12 +68,13 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class Layout:
-    """One candidate: how a model is split and trained. DP = world / (TP x PP)."""
+    """One candidate: how a model is split and trained. DP = world / (TP x PP x CP)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1  # context parallelism: ranks splitting each sample's sequence (ring attention)
     zero: int = 0
     sequence_parallel: bool = False
     recompute: Optional[str] = None  # "full", "selective" or None
@@ -83,7 +89,12 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def data(self) -> int:
+        """DeepSpeed's data-parallel size, over which ZeRO partitions and gradients are reduced: DP x CP."""
+        return self.dp * self.cp
 
     @property
     def overlap(self) -> bool:
@@ -91,6 +102,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"CP{self.cp}")
         if self.ep > 1:
             parts.append(f"EP{self.ep}")
         parts.append(f"ZeRO-{self.zero}")
@@ -211,15 +224,27 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str
     return norms + linear_inputs + attention + mlp + router + dropout
 
 
+def ring_buffer_bytes_per_token(cfg: ModelConfig, lay: Layout) -> float:
+    """Ring attention's K/V in hand and arriving, per local token (only while a layer's attention runs)."""
+    e = 2 if lay.bf16 else 4
+    return 2 * e * 2 * cfg.num_query_groups * cfg.kv_channels / lay.tp if lay.cp > 1 else 0.0
+
+
+def local_tokens(cfg: ModelConfig, lay: Layout) -> float:
+    """Tokens of one micro-batch on one rank: each CP rank holds 1/CP of every sample."""
+    return lay.micro_batch_size * cfg.seq_length / lay.cp
+
+
 def stage_activation_bytes(cfg: ModelConfig, lay: Layout, stage: int, *, backend: str, fused: bool,
                            recompute: Optional[str]) -> float:
     """Activations of one stage's rank at the end of its last forward before a backward (its peak)."""
     e = 2 if lay.bf16 else 4
     t = lay.tp
     sp = lay.sequence_parallel and t > 1
-    tokens = lay.micro_batch_size * cfg.seq_length
+    tokens = local_tokens(cfg, lay)
     layers = list(stage_layers(cfg.num_layers, lay.pp)[stage])
     per_layer = [layer_activation_bytes_per_token(cfg, lay, backend, fused, n) * tokens for n in layers]
+    ring = ring_buffer_bytes_per_token(cfg, lay) * tokens
     if recompute == "full":
         # each layer keeps its input (split over TP by SP, or by DeepSpeed's partitioned
         # activations otherwise); backward rebuilds one layer at a time
@@ -236,7 +261,7 @@ def stage_activation_bytes(cfg: ModelConfig, lay: Layout, stage: int, *, backend
     # The embedding output (the first layer's input) stays with the first layer's norm (fp32 runs) and
     # DeepSpeed's pipeline keeps each in-flight micro-batch's stage input and output.
     pipe_buffers = 2 * e * cfg.hidden_size * tokens / (t if sp else 1) if lay.pp > 1 else 0.0
-    return in_flight * (micro + pipe_buffers) + rebuilding
+    return in_flight * (micro + pipe_buffers) + rebuilding + ring
 
 
 def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
@@ -244,7 +269,7 @@ def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
     kept into backward). The head sees the full sequence (gathered under SP)."""
     e = 2 if lay.bf16 else 4
     vocab = cfg.pad_vocab(lay.tp) / lay.tp
-    tokens = lay.micro_batch_size * cfg.seq_length
+    tokens = local_tokens(cfg, lay)
     forward = e + (4 if lay.bf16 else 0) + 4 + 4  # logits, their fp32 copy, shifted, exp (-> the softmax)
     backward = 4 + (e if lay.bf16 else 0)  # the softmax (becomes the gradient) and its cast to bf16
     if lay.pp > 1:
@@ -273,7 +298,7 @@ class States:
 
 def model_states(n: float, lay: Layout) -> States:
     """The bytes of ``n`` parameters on one rank under the layout's optimizer path (module docstring)."""
-    dp, z = lay.dp, lay.zero
+    dp, z = lay.data, lay.zero  # ZeRO partitions over DP x CP
     pe = 2 if lay.bf16 else 4  # parameter / gradient element
     bucket = lay.reduce_bucket
     s = States()
@@ -318,8 +343,8 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
     for stage in range(lay.pp):
         dense, expert = stage_parameters(cfg, lay, stage)
         s = model_states(dense, lay)
-        if expert:  # ZeRO shards expert parameters over the expert-data-parallel group (DP / EP)
-            x = model_states(expert, replace(lay, dp=max(1, lay.dp // lay.ep)))
+        if expert:  # ZeRO shards expert parameters over the expert-data-parallel group (DP x CP / EP)
+            x = model_states(expert, replace(lay, dp=max(1, lay.data // lay.ep), cp=1))
             for name in ("params", "optimizer", "grads_kept", "grads_end", "step_extra"):
                 setattr(s, name, getattr(s, name) + getattr(x, name))
         acts = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=lay.recompute)
@@ -379,6 +404,6 @@ def layout_from_run(cfg, ds: dict) -> Layout:
     """The Layout of a validated RunConfig and its DeepSpeed JSON (``prepare_config``'s pair)."""
     p, t = cfg.parallel, cfg.train
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
-                  ep=p.expert_model_parallel_size, sequence_parallel=p.sequence_parallel,
+                  ep=p.expert_model_parallel_size, cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
                   recompute=p.recompute_granularity, micro_batch_size=t.micro_batch_size,
                   grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, **ds_settings(ds))

@@ -13,14 +13,14 @@ from ..config import build_parser as build_run_parser
 from ..presets import LAYOUTS, MODELS
 from ..training.ds_config import read_ds_config
 from .memory import GIB, Layout, ds_settings, total_parameters
-from .search import FRAGMENTATION, RESERVED_GIB, Cluster, Plan, plan, pretrain_flags, recommend
+from .search import FRAGMENTATION, RESERVED_GIB, Cluster, Plan, plan, pretrain_flags, recommend, ring_traffic_bytes
 
 COLUMNS = ("layout", "params", "grads", "optim", "act", "act+rc", "logits", "buffers", "total", "need", "fits", "step s")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python scripts/plan.py", description="Per-GPU memory of candidate TP/PP/DP/ZeRO layouts, and the fastest that fits.",
+        prog="python scripts/plan.py", description="Per-GPU memory of candidate TP/PP/DP/CP/ZeRO layouts, and the fastest that fits.",
         epilog="Flags after -- change the model (any pretrain flag, e.g. -- --seq-length 8192). "
                f"A layout fits when planned peak x {1 + FRAGMENTATION:.2f} + {RESERVED_GIB:g} GiB <= --gpu-memory.")
     parser.add_argument("--model", required=True, help=f"a preset: {', '.join(MODELS)}")
@@ -71,6 +71,7 @@ def _constraint(run, typed: set[str]):
     pinned = {"tp": p.tensor_model_parallel_size if "tensor_model_parallel_size" in typed else None,
               "pp": p.pipeline_model_parallel_size if "pipeline_model_parallel_size" in typed else None,
               "ep": p.expert_model_parallel_size if "expert_model_parallel_size" in typed else None,
+              "cp": p.context_parallel_size if "context_parallel_size" in typed else None,
               "sequence_parallel": p.sequence_parallel if "sequence_parallel" in typed else None,
               "recompute": p.recompute_granularity if "recompute_granularity" in typed else None}
     pinned = {k: v for k, v in pinned.items() if v is not None}
@@ -94,7 +95,7 @@ def _constraint(run, typed: set[str]):
 
 
 def _same(a: Layout, b) -> bool:
-    return (a.tp, a.pp, a.ep, a.zero, a.recompute) == (b.tp, b.pp, b.ep, b.zero, b.recompute)
+    return (a.tp, a.pp, a.ep, a.cp, a.zero, a.recompute) == (b.tp, b.pp, b.ep, getattr(b, "cp", 1), b.zero, b.recompute)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -123,7 +124,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory)
     plans = plan(cfg, cluster, micro_batch_size=mbs, global_batch_size=gbs, bf16=not args.fp32,
                  backend=args.attention_backend, fused=args.fused_ops, allow_offload=args.allow_offload,
-                 allow_ep=args.allow_ep or "expert_model_parallel_size" in typed, constrain=constrain)
+                 allow_ep=args.allow_ep or "expert_model_parallel_size" in typed, constrain=constrain,
+                 cp_sizes=[run.parallel.context_parallel_size] if "context_parallel_size" in typed else None)
     if not plans:
         print(f"error: no layout of {args.model} divides {args.gpus} GPUs with global batch {gbs} and micro-batch {mbs}"
               f"{' and the layout flags given after --' if constrain else ''}; change --gpus, --global-batch-size or "
@@ -155,6 +157,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = best.memory
     print(f"\nRecommended: {best.layout.describe()}: {m.total / GIB:.1f} GiB planned on stage {m.stage} "
           f"({'; '.join(m.notes)}), needs {best.needed_gib:.1f} of {args.gpu_memory:g} GiB; ~{best.step_seconds:.2f} s/step.")
+    if best.layout.cp > 1:
+        print(f"Context parallelism: each GPU holds {cfg.seq_length // best.layout.cp} of every sample's {cfg.seq_length} tokens; "
+              f"ring attention sends {ring_traffic_bytes(cfg, best.layout) / GIB:.1f} GiB per GPU per step, overlapped with attention.")
     skip = {"--" + name.replace("_", "-") for name in typed} | ({"--deepspeed_config"} if "deepspeed_config" in typed else set())
     command = ["scripts/pretrain.py", "--model", args.model, *extra, *pretrain_flags(best.layout, gbs, skip=skip)]
     print("  deepspeed --hostfile HOSTFILE " + shlex.join(command) if args.gpus > cluster.gpus_per_node

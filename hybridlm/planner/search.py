@@ -4,7 +4,10 @@ Candidates: TP in {1, 2, 4, 8} within a node (heads, key/value groups and the ML
 divisible by it), PP dividing the layer count, DP what is left, ZeRO 0-3 (2 and 3 only with
 PP = 1, as DeepSpeed's pipeline engine allows), sequence parallelism whenever TP > 1,
 recompute none / selective / full; for MoE models, with ``allow_ep``, EP dividing both the
-experts and DP (off by default: the trainer cannot --save with EP > 1 yet).
+experts and DP (off by default: the trainer cannot --save with EP > 1 yet). For sequences of
+``LONG_SEQUENCE`` tokens or more, context parallelism (CP in {2, 4, 8, ...}, TP x CP within a
+node, the sequence divisible by 2 x CP, ring attention) joins the candidates: it divides
+activations and logits by CP where recompute only trims them.
 
 A layout fits when its planned peak plus headroom (``FRAGMENTATION`` of it for the caching
 allocator, plus ``RESERVED_GIB`` for the CUDA context, NCCL and library workspaces, which
@@ -18,7 +21,10 @@ predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/
   bubble      x (1 + (PP - 1) / micro-batches) for 1F1B
   TP          4 all-reduces (or reduce-scatter + all-gather) of the layer's activations per
               layer per micro-batch, over NVLink, not overlapped
-  DP          one gradient reduction per step over the network once DP spans nodes; ZeRO-2
+  CP          ring attention sends each layer's local K/V around the ring (CP - 1 hops forward;
+              K/V and fp32 dK/dV backward), over NVLink within a node, overlapped with the
+              blocks' attention: only what exceeds the attention compute is exposed
+  DP          one gradient reduction per step over the network once DP x CP spans nodes; ZeRO-2
               overlaps half of it with backward (overlap_comm); ZeRO-3 adds its parameter
               gathers (x 1.5) and waits on them
   offload     optimizer states over PCIe and the CPU's Adam: 16 bytes per parameter at 10 GB/s
@@ -42,6 +48,7 @@ PEAK_TFLOPS = 989.0
 NVLINK_GBPS = 300.0  # per GPU, bytes/s (x 1e9), achievable all-reduce bus bandwidth
 NETWORK_GBPS = 40.0  # per GPU across nodes
 OFFLOAD_GBPS = 10.0
+LONG_SEQUENCE = 16384  # context parallelism is a candidate from this sequence length on
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,9 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int,
                       bf16: bool = True, recompute: Iterable = (None, "selective", "full"),
                       zero: Iterable[int] = (0, 1, 2, 3), allow_offload: bool = False,
-                      allow_ep: bool = False) -> list[Layout]:
-    """Every layout the trainer accepts for this model on ``cluster`` (see the module docstring)."""
+                      allow_ep: bool = False, cp_sizes: Optional[Iterable[int]] = None) -> list[Layout]:
+    """Every layout the trainer accepts for this model on ``cluster`` (see the module docstring);
+    ``cp_sizes`` replaces the CP sizes considered."""
     out = []
     for tp in (1, 2, 4, 8):
         if tp > cluster.gpus_per_node or cluster.gpus % tp:
@@ -80,14 +88,15 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: i
             continue
         if cfg.num_experts and cfg.moe_ffn_hidden_size % tp:
             continue
-        for pp in _divisors(cfg.num_layers):
-            if cluster.gpus % (tp * pp):
+        cps = list(cp_sizes) if cp_sizes is not None else context_parallel_sizes(cfg, cluster, tp)
+        for pp, cp in ((pp, cp) for pp in _divisors(cfg.num_layers) for cp in cps):
+            if cluster.gpus % (tp * pp * cp):
                 continue
-            dp = cluster.gpus // (tp * pp)
+            dp = cluster.gpus // (tp * pp * cp)
             if global_batch_size % (micro_batch_size * dp):
                 continue
             gas = global_batch_size // (micro_batch_size * dp)
-            eps = [ep for ep in _divisors(cfg.num_experts) if dp % ep == 0] if cfg.num_experts and allow_ep else [1]
+            eps = [ep for ep in _divisors(cfg.num_experts) if dp * cp % ep == 0] if cfg.num_experts and allow_ep else [1]
             for ep in eps:
                 for z in zero:
                     if z >= 2 and pp > 1:
@@ -95,7 +104,7 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: i
                     if cfg.num_experts and z == 3:
                         continue
                     for rc in recompute:
-                        base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, zero=z, sequence_parallel=tp > 1, recompute=rc,
+                        base = Layout(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=z, sequence_parallel=tp > 1, recompute=rc,
                                       micro_batch_size=micro_batch_size, grad_accum=gas, bf16=bf16)
                         out.append(base)
                         if allow_offload and z in (1, 3):  # the shipped offload JSONs
@@ -103,6 +112,17 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: i
                             if z == 3:
                                 out.append(replace(base, offload_optimizer=True, offload_params=True))
     return out
+
+
+def context_parallel_sizes(cfg: ModelConfig, cluster: Cluster, tp: int) -> list[int]:
+    """CP sizes to consider: 1, and for long sequences powers of two with TP x CP within a node."""
+    sizes = [1]
+    if cfg.seq_length >= LONG_SEQUENCE and cfg.position_embedding_type == "rope":
+        cp = 2
+        while tp * cp <= cluster.gpus_per_node and cfg.seq_length % (2 * cp) == 0 and (cfg.seq_length // cp) % tp == 0:
+            sizes.append(cp)
+            cp *= 2
+    return sizes
 
 
 def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
@@ -116,26 +136,46 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
     bubble = (lay.pp - 1) / lay.grad_accum if lay.pp > 1 else 0.0
     e = 2 if lay.bf16 else 4
     layers = math.ceil(cfg.num_layers / lay.pp)
-    tp_bytes = 4 * 2 * (lay.tp - 1) / lay.tp * lay.micro_batch_size * cfg.seq_length * cfg.hidden_size * e
+    local = lay.micro_batch_size * cfg.seq_length / lay.cp  # tokens of a micro-batch on one rank
+    tp_bytes = 4 * 2 * (lay.tp - 1) / lay.tp * local * cfg.hidden_size * e
     tp_time = tp_bytes * layers * lay.grad_accum / (NVLINK_GBPS * 1e9) if lay.tp > 1 else 0.0
     dense, expert = stage_parameters(cfg, lay, 0)
-    dp_bytes = 2 * (lay.dp - 1) / lay.dp * (dense + expert) * e * (1.5 if lay.zero == 3 else 1.0)
+    data = lay.data  # gradients are reduced over DP x CP
+    dp_bytes = 2 * (data - 1) / data * (dense + expert) * e * (1.5 if lay.zero == 3 else 1.0)
     dp_bw = NETWORK_GBPS if lay.tp * lay.pp < cluster.gpus and cluster.gpus > cluster.gpus_per_node else NVLINK_GBPS
     exposed = 0.5 if lay.zero == 2 else 1.0
-    dp_time = dp_bytes * exposed / (dp_bw * 1e9) if lay.dp > 1 else 0.0
+    dp_time = dp_bytes * exposed / (dp_bw * 1e9) if data > 1 else 0.0
     offload = 16 * (dense + expert) / (OFFLOAD_GBPS * 1e9) if lay.offload_optimizer else 0.0
-    return compute * (1 + bubble) + tp_time + dp_time + offload
+    return compute * (1 + bubble) + tp_time + ring_exposed_seconds(cfg, lay, compute * attention_share) + dp_time + offload
+
+
+def ring_traffic_bytes(cfg: ModelConfig, lay: Layout) -> float:
+    """Bytes one rank sends around the CP ring per step: each layer's local K/V, CP - 1 hops in
+    forward, and in backward CP - 1 hops of K/V plus CP hops of fp32 dK/dV."""
+    if lay.cp == 1:
+        return 0.0
+    e = 2 if lay.bf16 else 4
+    kv = 2 * cfg.num_query_groups * cfg.kv_channels / lay.tp * lay.micro_batch_size * cfg.seq_length / lay.cp
+    per_layer = kv * e * (lay.cp - 1) * 2 + kv * 4 * lay.cp
+    return per_layer * math.ceil(cfg.num_layers / lay.pp) * lay.grad_accum
+
+
+def ring_exposed_seconds(cfg: ModelConfig, lay: Layout, attention_seconds: float) -> float:
+    """The ring's send/recv time beyond the attention compute it overlaps with (within a node)."""
+    if lay.cp == 1:
+        return 0.0
+    return max(0.0, ring_traffic_bytes(cfg, lay) / (NVLINK_GBPS * 1e9) - attention_seconds)
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int, bf16: bool = True,
          backend: str = "cudnn", fused: bool = False, allow_offload: bool = False, allow_ep: bool = False,
-         constrain: Optional[Callable[[Layout], Optional[Layout]]] = None) -> list[Plan]:
+         constrain: Optional[Callable[[Layout], Optional[Layout]]] = None, cp_sizes: Optional[Iterable[int]] = None) -> list[Plan]:
     """Every candidate with its memory and step time, the fitting ones first, fastest first.
     ``constrain`` maps a candidate to the layout to plan (e.g. with a JSON's bucket sizes) or
     to None to drop it."""
     plans = []
     for lay in candidate_layouts(cfg, cluster, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                                 bf16=bf16, allow_offload=allow_offload, allow_ep=allow_ep):
+                                 bf16=bf16, allow_offload=allow_offload, allow_ep=allow_ep, cp_sizes=cp_sizes):
         if constrain is not None and (lay := constrain(lay)) is None:
             continue
         memory = estimate(cfg, lay, backend=backend, fused=fused)
@@ -162,6 +202,8 @@ def ds_config_for(lay: Layout) -> str:
 def pretrain_flags(lay: Layout, global_batch_size: int, skip: Iterable[str] = ()) -> list[str]:
     """The layout as scripts/pretrain.py flags, leaving out the flags named in ``skip``."""
     pairs = [("--tensor-model-parallel-size", str(lay.tp)), ("--pipeline-model-parallel-size", str(lay.pp))]
+    if lay.cp > 1:
+        pairs.append(("--context-parallel-size", str(lay.cp)))
     if lay.ep > 1:
         pairs.append(("--expert-model-parallel-size", str(lay.ep)))
     if lay.sequence_parallel:

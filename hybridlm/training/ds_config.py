@@ -116,7 +116,9 @@ def finalize_ds_config(ds: dict, cfg: RunConfig) -> dict:
         raise ConfigError(f"gradient_accumulation_steps {declared_gas} in {t.deepspeed_config} does not match "
                           f"--global-batch-size {t.global_batch_size} / (--micro-batch-size {t.micro_batch_size} x DP {p.data_parallel_size}) = {gas}.")
     ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    ds["train_batch_size"] = t.global_batch_size
+    # DeepSpeed counts CP ranks as data-parallel replicas (hybridlm.parallel.state), each with
+    # its own micro-batch of 1/CP of every sample: its batch is the global batch's slices.
+    ds["train_batch_size"] = t.global_batch_size * p.context_parallel_size
     ds["gradient_accumulation_steps"] = gas
     ds["gradient_clipping"] = t.clip_grad
     _set(ds, ("bf16", "enabled"), t.bf16)

@@ -6,7 +6,10 @@ gradients over the ranks that reduce them (DP, and DP x CP with context parallel
 micro-batch returns its *sum* times ``scale = GAS x reduction ranks / global count``; the sum
 of every micro-batch's contribution is then exactly "sum over the global batch / global count",
 whatever GAS, DP and micro-batch size are. The count (loss tokens, or pairs) comes with the
-labels, computed by the task before the step.
+labels, computed by the task before the step. Under context parallelism a CP rank holds a slice
+of every row: token sums are its slice's (the count, summed over DP x CP, covers every slice),
+while a DPO pair's loss needs the whole rows' log-probabilities, summed over CP first
+(``ParallelPlan.sequence_sum``), and is then held by every CP rank, so it counts 1/CP on each.
 
 SFT:   loss = sum of -log p(label) over every label that is not IGNORE_INDEX in the global batch
              / the number of such labels in the global batch.
@@ -76,9 +79,11 @@ class DPOLoss:
         self.sums = None
 
     def row_logps(self, logits, labels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sum of log-probs of each row's labels [2m], their count [2m], token losses [s, 2m])."""
+        """(sum of log-probs of each row's labels [2m], their count [2m], token losses [s, 2m]); under
+        context parallelism the sums and counts are the whole rows', the token losses this rank's."""
         token_loss = self.plan.cross_entropy(logits, labels.t(), self.vocab_size)
-        return -token_loss.sum(0), (labels != IGNORE_INDEX).sum(-1), token_loss
+        return (self.plan.sequence_sum(-token_loss.sum(0)), self.plan.sequence_sum((labels != IGNORE_INDEX).sum(-1)),
+                token_loss)
 
     def __call__(self, logits, labels):
         if self.recording:
@@ -95,7 +100,9 @@ class DPOLoss:
         m = len(logps) // 2
         chosen, rejected = logps[:m] - reference[:m], logps[m:] - reference[m:]
         losses = dpo_pair_losses(chosen - rejected, self.beta, self.kind, self.smoothing)
-        loss = losses.sum() * pair_scale.squeeze()
+        # Under CP every rank of a micro-batch holds these same pair losses (from the whole rows'
+        # log-probs), while the scale counts each rank of DP x CP: each pair counts once.
+        loss = losses.sum() * pair_scale.squeeze() / self.plan.cp.size
         if self.rpo_alpha:
             loss = loss + self.rpo_alpha * token_loss[:, :m].sum() * token_scale.squeeze()
         with torch.no_grad():

@@ -2,9 +2,11 @@
 
 Each MoE layer sums its own statistics (``RoutingStats``) over the micro-batches it routed
 since the last report. Here they go into one fixed-size table, a row per MoE layer of the
-whole model, summed over DP (each DP rank routed different tokens) and over PP (each layer
-lives on one stage), so every rank ends with the whole model's table. TP ranks hold
-identical rows (they route the same tokens), so nothing is summed over TP.
+whole model, summed over DP x CP (each DP or CP rank routed different tokens; the aux losses,
+identical on the CP ranks of a micro-batch, are summed as often as the micro-batches are
+counted) and over PP (each layer lives on one stage), so every rank ends with the whole
+model's table. TP ranks hold identical rows (they route the same tokens), so nothing is
+summed over TP.
 """
 from __future__ import annotations
 
@@ -27,13 +29,13 @@ def collect_moe_stats(model: nn.Module, cfg: RunConfig, ps) -> dict | None:
     table = torch.zeros(len(numbers), m.num_experts + 5, dtype=torch.float64, device=device)
     for layer in moe_layers(model):
         table[numbers.index(layer.layer_number)] = layer.stats.pop(device)
-    for group in (ps.dp, ps.pp):
+    for group in (ps.grad_reduction, ps.pp):
         if group.size > 1:
             dist.all_reduce(table, group=group.group)
     table = table.cpu()
     counts, (dropped, assigned, aux, z, micro) = table[:, :m.num_experts], table[:, m.num_experts:].unbind(1)
     micro = micro.clamp_min(1.0)
-    steps = micro / (ps.dp.size * cfg.gradient_accumulation_steps)
+    steps = micro / (ps.grad_reduction.size * cfg.gradient_accumulation_steps)
     layers = {str(n): {"tokens_per_expert": (counts[i] / steps[i]).tolist(),
                        "dropped_fraction": float(dropped[i] / assigned[i].clamp_min(1.0)),
                        "aux_loss": float(aux[i] / micro[i]), "z_loss": float(z[i] / micro[i])}

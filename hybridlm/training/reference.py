@@ -107,7 +107,8 @@ def _forward_all(run, task) -> np.ndarray:
     t = cfg.train
     pairs = DPOPairs(task.chat_data(), cfg.model.seq_length, t.seed, task.pad_id(), shuffle=False)
     batches = micro_batches(pairs, micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                            dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size, device=device())
+                            dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size, device=device(),
+                            cp_rank=run.ps.cp.rank, cp_size=run.ps.cp.size)
     loss.recording, loss.records = True, []
     engine.eval()
     try:
@@ -126,7 +127,7 @@ def _forward_all(run, task) -> np.ndarray:
     for ids, chosen, rejected in loss.records:
         values[ids, 0], values[ids, 1], seen[ids] = chosen.to(values.device), rejected.to(values.device), 1.0
     loss.records = []
-    # Every TP rank of the last stage holds the same numbers: sum over DP, then bring them to every stage.
+    # Every TP and CP rank of the last stage holds the same numbers: sum over DP, then bring them to every stage.
     for group in (run.ps.dp, run.ps.pp):
         if group.size > 1:
             dist.all_reduce(values, group=group.group)

@@ -219,7 +219,9 @@ class DPOTask(ChatTask):
 
     def log_values(self, run, seconds: float) -> dict:
         sums = self.dpo_loss.take_sums(run.engine.device)
-        for group in (run.ps.grad_reduction, run.ps.pp):  # only the last stage computed them
+        # only the last stage computed them; under CP each CP rank holds the same sums and pair count,
+        # so the ratios below stand
+        for group in (run.ps.grad_reduction, run.ps.pp):
             if group.size > 1:
                 dist.all_reduce(sums, group=group.group)
         pairs = max(sums[-1].item(), 1.0)

@@ -142,7 +142,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     init_distributed(cfg.train.distributed_timeout_minutes)
     p = cfg.parallel
     ps = ParallelState(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
-                       dp=p.data_parallel_size, ep=p.expert_model_parallel_size)
+                       dp=p.data_parallel_size, ep=p.expert_model_parallel_size, cp=p.context_parallel_size)
     seed_everything(cfg.train.seed, ps.tp.rank, ps.pp.rank)
     if p.recompute_granularity:
         deepspeed.checkpointing.configure(ps, partition_activations=p.partition_activations)
@@ -152,7 +152,8 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     phase = MicroBatchPhase()
     te_factories = dict(local_matmul=partial(TELocalMatmul, phase=phase), local_norm_matmul=partial(TELocalNormMatmul, phase=phase),
                         local_norm_mlp=partial(TELocalNormMLP, phase=phase)) if te else {}
-    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device(),
+    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, cp=ps.cp, cp_comm_type=p.cp_comm_type,
+                        sequence_parallel=p.sequence_parallel, device=device(),
                         **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective",
@@ -233,7 +234,8 @@ def data_iterator(run: Run, data=None, start_iteration: int | None = None) -> It
     t = run.cfg.train
     return micro_batches(data if data is not None else run.train_data, micro_batch_size=t.micro_batch_size,
                          global_batch_size=t.global_batch_size, dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size,
-                         start_iteration=run.iteration if start_iteration is None else start_iteration, device=device())
+                         start_iteration=run.iteration if start_iteration is None else start_iteration, device=device(),
+                         cp_rank=run.ps.cp.rank, cp_size=run.ps.cp.size)
 
 
 def evaluations_before(iteration: int, eval_interval: int) -> int:
@@ -261,12 +263,19 @@ def evaluate(run: Run, data=None, iters: Optional[int] = None) -> float:
         engine.eval()
         micro = [engine(*next(step)).float() for _ in range(run.cfg.gradient_accumulation_steps)]
         engine.train()
-        loss = torch.stack(micro).mean()
-        if run.ps.dp.size > 1:
-            dist.all_reduce(loss, group=run.ps.dp.group)
-            loss /= run.ps.dp.size
-        losses.append(loss)
+        losses.append(mean_over_data_ranks(run, torch.stack(micro).mean()))
     return torch.stack(losses).mean().item()
+
+
+def mean_over_data_ranks(run: Run, loss: torch.Tensor) -> torch.Tensor:
+    """A rank's loss averaged as DeepSpeed averages gradients, over DP x CP (``ps.grad_reduction``):
+    a CP rank's fine-tuning loss is its slice's share of the sum, its pretraining loss the whole
+    micro-batch's mean (the same on each CP rank)."""
+    group = run.ps.grad_reduction
+    if group.size > 1:
+        dist.all_reduce(loss, group=group.group)
+        loss /= group.size
+    return loss
 
 
 def release_cached_memory(run: Run, level: int) -> None:
@@ -298,10 +307,7 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
                 engine.step()
             total += micro_loss.detach().float()
         run.phase.first = None
-        loss = total / run.cfg.gradient_accumulation_steps
-        if run.ps.dp.size > 1:
-            dist.all_reduce(loss, group=run.ps.dp.group)
-            loss /= run.ps.dp.size
+        loss = mean_over_data_ranks(run, total / run.cfg.gradient_accumulation_steps)
     run.iteration += 1
     return loss
 
@@ -334,7 +340,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
                   peak=peak_tflops(t.peak_tflops), metrics_file=t.metrics_file, enabled=rank0)
     if rank0:
         print(f"hybridlm: {run.ps} | TP={cfg.parallel.tensor_model_parallel_size} PP={cfg.parallel.pipeline_model_parallel_size} "
-              f"DP={cfg.parallel.data_parallel_size} EP={cfg.parallel.expert_model_parallel_size} "
+              f"DP={cfg.parallel.data_parallel_size} CP={cfg.parallel.context_parallel_size} EP={cfg.parallel.expert_model_parallel_size} "
               f"SP={cfg.parallel.sequence_parallel} ZeRO={cfg.parallel.zero_stage} | "
               f"global batch {t.global_batch_size} x {cfg.model.seq_length} tokens | {t.train_iters} steps | "
               f"{check_model_impl(cfg)}", flush=True)
