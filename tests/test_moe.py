@@ -96,7 +96,7 @@ def test_moe_layer_equals_naive_per_token_definition_with_aux_loss_gradient(grou
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (grouped_mm's bf16 kernel)")
 def test_grouped_gemm_equals_expert_loop_on_gpu_in_bf16():
-    from hybridlm.parallel.moe import expert_matmul
+    from hybridlm.parallel.moe_dispatch import expert_matmul
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
     w = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -160,20 +160,27 @@ def test_same_seed_gives_same_full_moe_model_at_any_ep_and_tp():
 
 # ---------------------------------------------------------------- dropping, by hand
 
-def test_capacity_keeps_first_choices_before_second_choices():
-    from hybridlm.parallel.moe import capacity_mask
-    # 3 tokens, top-2, 3 experts, factor 1: capacity ceil(3 x 2 / 3) = 2 per expert. Expert 0 is the
-    # first choice of tokens 0 and 2 and the second choice of token 1: token 1's second choice goes.
+@pytest.mark.parametrize("policy, kept", [
+    # Expert 0 is the first choice of tokens 0 and 2 and the second choice of token 1.
+    ("choice_then_position", [[True, True], [True, False], [True, True]]),  # token 1's second choice goes
+    ("position", [[True, True], [True, True], [False, True]]),  # token 2, the last, goes
+    ("probs", [[False, True], [True, True], [True, True]]),  # the lowest weight, token 0's 0.5, goes
+])
+def test_each_drop_policy_keeps_what_it_prefers(policy, kept):
+    from hybridlm.parallel.moe_routing import keep_mask
+    # 3 tokens, top-2, 3 experts, factor 1: capacity ceil(3 x 2 / 3) = 2 per expert.
     experts = torch.tensor([[0, 1], [1, 0], [0, 2]])
-    keep = capacity_mask(experts, num_experts=3, capacity_factor=1.0)
-    assert keep.tolist() == [[True, True], [True, False], [True, True]]
+    weights = torch.tensor([[0.5, 0.5], [0.4, 0.6], [0.7, 0.3]])
+    keep = keep_mask(experts, weights, num_experts=3, factor=1.0, policy=policy)
+    assert keep.tolist() == kept
 
 
 def test_dropped_fraction_and_outputs_match_a_hand_computed_case():
     # Router rows are unit vectors, so token t goes to the expert its input points at:
     # experts [0, 0, 0, 0, 1, 1, 2, 3] for 8 tokens, top-1, factor 1 -> capacity 2: expert 0
     # keeps tokens 0 and 1 (earlier first) and drops 2 and 3, 2 of 8 assignments.
-    layer = _tiny_layer(moe_router_topk=1, moe_capacity_factor=1.0, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    layer = _tiny_layer(moe_router_topk=1, moe_router_pre_softmax=True, moe_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
+                        moe_z_loss_coeff=0.0, moe_token_drop_policy="position")
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[torch.arange(4), torch.arange(4)] = 10.0
@@ -185,8 +192,9 @@ def test_dropped_fraction_and_outputs_match_a_hand_computed_case():
     counts, dropped, assigned = stats[:4], stats[4], stats[5]
     assert counts.tolist() == [4, 2, 1, 1] and dropped.item() / assigned.item() == 0.25
     assert torch.all(y[2:4] == 0) and torch.all(y[[0, 1, 4, 5, 6, 7]].abs().sum(-1) > 0)
-    gate, up = (x[0, 0] @ layer.w1[0].t()).chunk(2)  # token 0 through expert 0, with weight 1
-    assert torch.allclose(y[0], (F.silu(gate) * up) @ layer.w2[0].t())
+    gate, up = (x[0, 0] @ layer.w1[0].t()).chunk(2)  # token 0 through expert 0, weighted by its probability
+    weight = torch.tensor([10.0, 0, 0, 0]).softmax(0)[0]
+    assert torch.allclose(y[0], weight * (F.silu(gate) * up) @ layer.w2[0].t())
 
 
 def _train_and_capture(flags: list[str]) -> str:

@@ -38,7 +38,7 @@ class _BetweenTPCrossings:
 
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
-                 sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
+                 dp: GroupHandle = SINGLE, sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
                  local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
                  local_norm_mlp: Callable | None = None,
                  layer_context: Callable = contextlib.nullcontext, kernels: Kernels | None = None):
@@ -49,7 +49,7 @@ class ParallelPlan:
         shards (TE's LayerNormMLP); ``layer_context``: what each transformer layer's forward
         runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
         (``hybridlm.ops.select_kernels``; default: the PyTorch definitions)."""
-        self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
+        self.tp, self.ep, self.expert_dp, self.dp = tp, ep, expert_dp, dp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
@@ -96,7 +96,7 @@ class ParallelPlan:
 
     def moe(self, cfg, layer_number: int) -> MoELayer:
         """Routed experts (router, dispatch over EP, experts split over EP and TP) for one layer."""
-        return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp,
+        return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp, dp=self.dp,
                         sequence_parallel=self.sequence_parallel, device=self.device, dtype=self.dtype)
 
     def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,

@@ -36,7 +36,7 @@ from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalN
 from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
-from ..parallel.moe import set_aux_loss_scale
+from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
@@ -144,7 +144,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     phase = MicroBatchPhase()
     te_factories = dict(local_matmul=partial(TELocalMatmul, phase=phase), local_norm_matmul=partial(TELocalNormMatmul, phase=phase),
                         local_norm_mlp=partial(TELocalNormMLP, phase=phase)) if te else {}
-    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, sequence_parallel=p.sequence_parallel, device=device(),
+    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, dp=ps.dp, sequence_parallel=p.sequence_parallel, device=device(),
                         **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective")
@@ -279,6 +279,8 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
         if run.ps.dp.size > 1:
             dist.all_reduce(loss, group=run.ps.dp.group)
             loss /= run.ps.dp.size
+    if run.cfg.model.num_experts is not None:
+        end_moe_step(engine.module, run.ps.dp, run.cfg.model.moe_router_bias_update_rate)
     run.iteration += 1
     return loss
 
