@@ -126,15 +126,20 @@ def keep_mask(index: torch.Tensor, weights: torch.Tensor, num_experts: int, fact
     probs: the highest routing weights (Megatron's default); position: the earliest tokens;
     choice_then_position: every token's first choice before any second choice, then the
     earliest tokens (GShard's priority). Ties go to the earlier token, so the rule depends
-    only on the micro-batch, not on how it was split over ranks."""
+    only on the micro-batch, not on how it was split over ranks. Weights are compared at bf16
+    precision: near-identical tokens (repeated text) get weights a few fp32 ulps apart, and
+    the last bits differ between layouts (TP splits the matmuls, DP sums gradients in another
+    order), so exact fp32 ranking dropped different tokens at different layouts; at bf16 they
+    tie and the earlier token wins (a layout can still differ where a weight sits within its
+    last bits of a bf16 rounding boundary)."""
     tokens, k = index.shape
     limit = capacity(tokens, k, num_experts, factor)
     if policy == "choice_then_position":
         order = torch.arange(tokens * k, device=index.device).view(tokens, k).t().reshape(-1)  # choice-major
     elif policy == "position":
         order = torch.arange(tokens * k, device=index.device)
-    elif policy == "probs":
-        order = torch.sort(weights.reshape(-1), descending=True, stable=True).indices
+    elif policy == "probs":  # compared at bf16 precision (as in Megatron's bf16 runs), ties to the earlier token
+        order = torch.sort(weights.reshape(-1).to(torch.bfloat16), descending=True, stable=True).indices
     else:
         raise ValueError(f"unknown drop policy {policy!r}")
     expert = index.reshape(-1)[order]
