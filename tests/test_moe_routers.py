@@ -187,3 +187,8 @@ def test_other_drop_policies_under_expert_parallelism_match_single_process(polic
     single, split = reference(variant), parallel(2, EP2, "zero1", variant)
     assert all(m["dropped_fraction"] > 0.05 for m in single["moe"])
     assert_matches(single, split)
+
+
+def test_expert_bias_with_more_data_parallel_ranks_than_ep_matches_single_process():
+    # DP=4 over EP=2: the step's counts must be summed over all four, not over an EP group.
+    assert_matches(reference(EXPERT_BIAS), parallel(4, EP2, "zero1", EXPERT_BIAS))
