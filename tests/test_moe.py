@@ -224,6 +224,38 @@ def test_routing_statistics_reach_the_log_line_and_the_metrics_file(tmp_path):
         assert record["moe_dropped_fraction"] > 0.0
 
 
+def test_tracker_metrics_chart_each_layers_load_and_drops_as_scalars():
+    from hybridlm.training.metrics import _moe_line
+    from hybridlm.training.moe_metrics import tracker_metrics
+    layers = {"0": {"tokens_per_expert": [30.0, 10.0, 20.0, 20.0], "dropped_fraction": 0.25, "aux_loss": 0.01, "z_loss": 0.0},
+              "2": {"tokens_per_expert": [20.0] * 64, "dropped_fraction": 0.0, "aux_loss": 0.02, "z_loss": 0.0}}
+    metrics = tracker_metrics({"iteration": 3, "loss": 2.0, "time": 0.0, "moe_layers": layers})
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics["moe/layer0/max_load"] == 1.5 and metrics["moe/layer0/expert1_load"] == 0.5
+    assert metrics["moe/layer0/dropped_fraction"] == 0.25 and metrics["moe/layer2/expert63_load"] == 1.0
+    line = _moe_line({"aux_loss": 0.03, "z_loss": 0.0, "dropped_fraction": 0.1, "layers": layers})
+    assert "L0 [30 10 20 20] drop 25.0%" in line and "L2 load max 1.00x min 1.00x drop 0.0%" in line  # 64 experts: a summary
+
+
+def test_fine_grained_experts_64_of_width_32_top8_at_ep2_match_single_process():
+    variant = ("--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "32")
+    assert_matches(reference(variant), parallel(2, EP2, "zero1", variant))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (host syncs are a device matter)")
+def test_dropless_expert_layer_at_ep1_never_waits_for_the_host_on_gpu():
+    layer = _tiny_layer(hidden_size=128, ffn_hidden_size=256, num_experts=64, moe_router_topk=8).cuda().bfloat16()
+    x = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # warm-up (allocator, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_mixtral_8x7b_preset_counts_its_active_parameters():
     from hybridlm.config import parse_args
     from hybridlm.presets import model_flags

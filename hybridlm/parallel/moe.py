@@ -121,16 +121,22 @@ class RoutingStats:
         self.num_experts = num_experts
         self.totals = None
 
-    def _add(self, row: torch.Tensor) -> None:
-        self.totals = row if self.totals is None else self.totals + row
+    def _row(self, like: torch.Tensor) -> torch.Tensor:
+        if self.totals is None:
+            self.totals = torch.zeros(self.num_experts + 5, dtype=torch.float64, device=like.device)
+        return self.totals
 
     def add_routing(self, counts: torch.Tensor, dropped: torch.Tensor, assigned: int) -> None:
-        tail = torch.stack([dropped.double(), torch.full_like(dropped, assigned, dtype=torch.float64)])
-        self._add(torch.cat([counts.double(), tail, tail.new_tensor([0.0, 0.0, 1.0])]))
+        row, e = self._row(counts), self.num_experts  # in place on the device: no host round trip
+        row[:e] += counts
+        row[e] += dropped
+        row[e + 1] += assigned
+        row[e + 4] += 1
 
     def add_losses(self, aux: torch.Tensor, z: torch.Tensor) -> None:
-        losses = torch.stack([aux.detach(), z.detach()]).double()
-        self._add(torch.cat([losses.new_zeros(self.num_experts + 2), losses, losses.new_zeros(1)]))
+        row, e = self._row(aux), self.num_experts
+        row[e + 2] += aux.detach()
+        row[e + 3] += z.detach()
 
     def pop(self, device) -> torch.Tensor:
         """[experts + 5] totals (zeros if nothing was recorded), and start over."""

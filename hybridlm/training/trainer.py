@@ -46,7 +46,7 @@ from .ds_config import (adopt_ds_config, check_gradient_accumulation_fusion, fin
                         read_ds_config)
 from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
-from .moe_metrics import collect_moe_stats
+from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, ExitSignal, Preempted
 from .profiling import StepProfiler
@@ -355,7 +355,7 @@ def pretrain(argv: Optional[list[str]] = None) -> list[dict]:
                                           grad_norm=float(grad_norm) if grad_norm is not None else None,
                                           step_seconds=(now - started) / (run.iteration - last_logged),
                                           total_iters=t.train_iters, moe=moe))
-                log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
+                log_all(trackers, tracker_metrics(records[-1]), run.iteration)
                 last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
             collector.collect()
