@@ -139,6 +139,7 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
             reset_reason = str(e)
     states = _gather(engine.module, source, carry=step is not None)
     {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
+    load_buffers(engine.module, reader)
     client = {} if weights_only else reader.client_state()
     if not weights_only:
         engine.global_steps = client.get("global_steps", client.get("iteration", 0))
@@ -149,6 +150,19 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str) -> dict:
     _log(tag_dir, info, Layout.of_run(cfg), step, reset_reason, client, cfg.train.global_batch_size)
     return {"iteration": client.get("iteration", 0), "consumed_samples": client.get("consumed_samples", 0),
             "wandb_run_id": client.get("wandb_run_id")}
+
+
+@torch.no_grad()
+def load_buffers(module: nn.Module, reader: CheckpointReader) -> None:
+    """Copy the saved persistent buffers (replicated, so the same at every layout) into ``module``;
+    one the checkpoint lacks keeps its initial value (an expert bias starts at zero)."""
+    params = {name for name, _ in module.named_parameters()}
+    buffers = dict(module.named_buffers())
+    for name in module.state_dict():
+        if name not in params and buffers.get(name) is not None:
+            saved = reader.buffer(name)
+            if saved is not None:
+                buffers[name].copy_(saved.to(buffers[name].device, buffers[name].dtype))
 
 
 def _gather(module: nn.Module, source: _Source, *, carry: bool) -> dict:
