@@ -3,8 +3,7 @@
 Candidates: TP in {1, 2, 4, 8} within a node (heads, key/value groups and the MLP width
 divisible by it), PP dividing the layer count, DP what is left, ZeRO 0-3 (2 and 3 only with
 PP = 1, as DeepSpeed's pipeline engine allows), sequence parallelism whenever TP > 1,
-recompute none / selective / full; for MoE models, with ``allow_ep``, EP dividing both the
-experts and DP (off by default: the trainer cannot --save with EP > 1 yet).
+recompute none / selective / full; for MoE models EP dividing both the experts and DP.
 
 A layout fits when its planned peak plus headroom (``FRAGMENTATION`` of it for the caching
 allocator, plus ``RESERVED_GIB`` for the CUDA context, NCCL and library workspaces, which
@@ -18,12 +17,17 @@ predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/
   bubble      x (1 + (PP - 1) / micro-batches) for 1F1B
   TP          4 all-reduces (or reduce-scatter + all-gather) of the layer's activations per
               layer per micro-batch, over NVLink, not overlapped
-  DP          one gradient reduction per step over the network once DP spans nodes; ZeRO-2
+  DP          one gradient reduction per step over the network once DP spans nodes (expert
+              gradients only over the DP / EP ranks holding the same experts); ZeRO-2
               overlaps half of it with backward (overlap_comm); ZeRO-3 adds its parameter
               gathers (x 1.5) and waits on them
+  EP          per MoE layer and micro-batch, the tokens' k rows to the experts and back, in
+              forward and backward (x 1.5 with full recompute), (EP - 1) / EP of them leaving
+              the GPU, over NVLink while TP x EP fits a node, not overlapped
   offload     optimizer states over PCIe and the CPU's Adam: 16 bytes per parameter at 10 GB/s
 
-At equal memory it thus prefers less TP, fewer pipeline bubbles and less recompute.
+At equal memory it thus prefers less TP, fewer pipeline bubbles and less recompute, and EP
+where the expert memory or gradient reduction it saves outweighs the all-to-all.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from typing import Callable, Iterable, Optional
 
 from ..config import ModelConfig
 from ..training.metrics import flops_per_token
-from .memory import GIB, Breakdown, Layout, estimate, stage_parameters
+from .memory import GIB, Breakdown, Layout, estimate, stage_layers, stage_parameters
 
 FRAGMENTATION = 0.10
 RESERVED_GIB = 2.0
@@ -69,8 +73,7 @@ def _divisors(n: int) -> list[int]:
 
 def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int,
                       bf16: bool = True, recompute: Iterable = (None, "selective", "full"),
-                      zero: Iterable[int] = (0, 1, 2, 3), allow_offload: bool = False,
-                      allow_ep: bool = False) -> list[Layout]:
+                      zero: Iterable[int] = (0, 1, 2, 3), allow_offload: bool = False) -> list[Layout]:
     """Every layout the trainer accepts for this model on ``cluster`` (see the module docstring)."""
     out = []
     for tp in (1, 2, 4, 8):
@@ -87,7 +90,7 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: i
             if global_batch_size % (micro_batch_size * dp):
                 continue
             gas = global_batch_size // (micro_batch_size * dp)
-            eps = [ep for ep in _divisors(cfg.num_experts) if dp % ep == 0] if cfg.num_experts and allow_ep else [1]
+            eps = [ep for ep in _divisors(cfg.num_experts) if dp % ep == 0] if cfg.num_experts else [1]
             for ep in eps:
                 for z in zero:
                     if z >= 2 and pp > 1:
@@ -119,23 +122,37 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
     tp_bytes = 4 * 2 * (lay.tp - 1) / lay.tp * lay.micro_batch_size * cfg.seq_length * cfg.hidden_size * e
     tp_time = tp_bytes * layers * lay.grad_accum / (NVLINK_GBPS * 1e9) if lay.tp > 1 else 0.0
     dense, expert = stage_parameters(cfg, lay, 0)
-    dp_bytes = 2 * (lay.dp - 1) / lay.dp * (dense + expert) * e * (1.5 if lay.zero == 3 else 1.0)
+    expert_dp = lay.dp // lay.ep
+    dp_bytes = 2 * ((lay.dp - 1) / lay.dp * dense + (expert_dp - 1) / expert_dp * expert) * e * (1.5 if lay.zero == 3 else 1.0)
     dp_bw = NETWORK_GBPS if lay.tp * lay.pp < cluster.gpus and cluster.gpus > cluster.gpus_per_node else NVLINK_GBPS
     exposed = 0.5 if lay.zero == 2 else 1.0
     dp_time = dp_bytes * exposed / (dp_bw * 1e9) if lay.dp > 1 else 0.0
     offload = 16 * (dense + expert) / (OFFLOAD_GBPS * 1e9) if lay.offload_optimizer else 0.0
-    return compute * (1 + bubble) + tp_time + dp_time + offload
+    return compute * (1 + bubble) + tp_time + dp_time + offload + all_to_all_seconds(cfg, lay, cluster)
+
+
+def all_to_all_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
+    """The EP term of the module docstring, for the stage with the most MoE layers."""
+    if lay.ep == 1 or not cfg.num_experts:
+        return 0.0
+    e = 2 if lay.bf16 else 4
+    moe_layers = max(sum(1 for n in stage if cfg.is_moe_layer(n)) for stage in stage_layers(cfg.num_layers, lay.pp))
+    rows = lay.micro_batch_size * cfg.seq_length * cfg.moe_router_topk  # every TP rank sends the whole micro-batch's
+    passes = 6 if lay.recompute == "full" else 4  # dispatch and combine, forward and backward (and the recompute)
+    volume = passes * rows * cfg.hidden_size * e * (lay.ep - 1) / lay.ep
+    bandwidth = NVLINK_GBPS if lay.tp * lay.ep <= cluster.gpus_per_node else NETWORK_GBPS
+    return volume * moe_layers * lay.grad_accum / (bandwidth * 1e9)
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int, bf16: bool = True,
-         backend: str = "cudnn", fused: bool = False, allow_offload: bool = False, allow_ep: bool = False,
+         backend: str = "cudnn", fused: bool = False, allow_offload: bool = False,
          constrain: Optional[Callable[[Layout], Optional[Layout]]] = None) -> list[Plan]:
     """Every candidate with its memory and step time, the fitting ones first, fastest first.
     ``constrain`` maps a candidate to the layout to plan (e.g. with a JSON's bucket sizes) or
     to None to drop it."""
     plans = []
     for lay in candidate_layouts(cfg, cluster, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                                 bf16=bf16, allow_offload=allow_offload, allow_ep=allow_ep):
+                                 bf16=bf16, allow_offload=allow_offload):
         if constrain is not None and (lay := constrain(lay)) is None:
             continue
         memory = estimate(cfg, lay, backend=backend, fused=fused)
