@@ -192,3 +192,12 @@ def test_other_drop_policies_under_expert_parallelism_match_single_process(polic
 def test_expert_bias_with_more_data_parallel_ranks_than_ep_matches_single_process():
     # DP=4 over EP=2: the step's counts must be summed over all four, not over an EP group.
     assert_matches(reference(EXPERT_BIAS), parallel(4, EP2, "zero1", EXPERT_BIAS))
+
+
+def test_full_recompute_under_ep2_pp2_routes_counts_and_balances_once_per_micro_batch():
+    # The recompute in backward routes again: the balance loss is taken there, the counts of the
+    # log and the expert bias only in the first pass.
+    variant = EXPERT_BIAS + ("--moe-router-load-balancing-type", "seq_aux_loss")
+    single, split = reference(variant), parallel(4, EP2 + PP2 + ["--recompute-granularity", "full"], "zero1", variant)
+    assert [m["layers"]["0"]["tokens_per_expert"] for m in split["moe"]] == [m["layers"]["0"]["tokens_per_expert"] for m in single["moe"]]
+    assert_matches(single, split)
