@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
+from torch.profiler import record_function
 
 from .moe_dispatch import exchange, expert_matmul, permute, unpermute
 from .moe_routing import (RouterOptions, expert_counts, keep_mask, route, scores_for_aux_loss, switch_loss,
@@ -219,11 +220,12 @@ class MoELayer(nn.Module):
 
     def forward(self, x):
         s, b, h = x.shape
-        logits = self.router(x).view(-1, self.num_experts)
-        weights, index = route(logits, self.options, self.router.expert_bias)
         with_losses = self.training and torch.is_grad_enabled()  # the pass whose backward runs (a recompute's, if any)
-        if with_losses:
-            aux, z = self._balance_loss(logits, s, b), self._z_loss(logits)
+        with record_function("hybridlm.moe.route"):  # names in a --profile-step-range trace
+            logits = self.router(x).view(-1, self.num_experts)
+            weights, index = route(logits, self.options, self.router.expert_bias)
+            if with_losses:
+                aux, z = self._balance_loss(logits, s, b), self._z_loss(logits)
         if self.sequence_parallel:
             index = all_gather_dim0(index.view(s, b, self.topk), self.tp)
         index = index.reshape(-1, self.topk)  # the micro-batch's assignments, on every TP rank
@@ -232,7 +234,9 @@ class MoELayer(nn.Module):
         keep = None
         if self.capacity_factor:
             keep = keep_mask(index, weights.detach(), self.num_experts, self.capacity_factor, self.drop_policy)
-        y = self._leave(self._dispatch(tokens, index, weights, keep).view(-1, b, h))
+        with record_function("hybridlm.moe.dispatch"):
+            y = self._dispatch(tokens, index, weights, keep)
+        y = self._leave(y.view(-1, b, h))
         if self.training and not _recomputing():  # once per micro-batch
             dropped = (~keep).sum().float() if keep is not None else torch.zeros((), device=x.device)
             self.stats.add_routing(expert_counts(index, self.num_experts), dropped, index.numel())
