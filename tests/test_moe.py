@@ -242,6 +242,12 @@ def test_fine_grained_experts_64_of_width_32_top8_at_ep2_match_single_process():
     assert_matches(reference(variant), parallel(2, EP2, "zero1", variant))
 
 
+@pytest.mark.slow
+def test_torch_compile_of_moe_layers_computes_the_eager_function():
+    # torch.compile's shape check of grouped_mm demands bf16, so fp32 CPU runs loop over experts there.
+    assert_matches(reference(), run_ranks(1, train_and_probe, TINY + MOE + ["--torch-compile"] + ds_config("zero1"), timeout=600)[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (host syncs are a device matter)")
 def test_dropless_expert_layer_at_ep1_never_waits_for_the_host_on_gpu():

@@ -58,9 +58,11 @@ class _ContiguousGrad(torch.autograd.Function):
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch's grouped GEMM takes these operands (its CUDA kernel wants bf16 and rows of
-    16-byte multiples; the CPU one any float type)."""
+    16-byte multiples; the CPU one any float type, though not inside torch.compile, whose shape
+    check demands bf16 everywhere)."""
     aligned = x.shape[-1] * x.element_size() % 16 == 0 and weight.shape[1] * weight.element_size() % 16 == 0
-    return aligned and hasattr(F, "grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16)
+    cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    return aligned and hasattr(F, "grouped_mm") and (cpu or x.dtype == torch.bfloat16)
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts, grouped: bool) -> torch.Tensor:
