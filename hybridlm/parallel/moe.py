@@ -157,9 +157,12 @@ class Router(nn.Module):
         self.weight = tag_parameter(nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype)), None, init_std)
         if sequence_parallel:  # each TP rank routes only its sequence slice
             sum_grad_over_tp(self.weight, tp)
-        zeros = (lambda dtype: torch.zeros(num_experts, device=device, dtype=dtype)) if expert_bias else (lambda dtype: None)
-        self.register_buffer("expert_bias", zeros(torch.float32))
-        self.register_buffer("tokens_since_update", zeros(torch.int64), persistent=False)
+        bias, counts = None, None
+        if expert_bias:
+            bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
+            counts = torch.zeros(num_experts, device=device, dtype=torch.int64)
+        self.register_buffer("expert_bias", bias)
+        self.register_buffer("tokens_since_update", counts, persistent=False)
 
     def forward(self, x):
         return F.linear(x.float(), self.weight.float())  # fp32 logits: top-k and softmax decide routing
