@@ -68,11 +68,15 @@ def test_route_chooses_and_weighs_each_token_as_its_definition(options):
 
 def _layer(**overrides):
     from hybridlm.config import ModelConfig
+    from hybridlm.model.weights import init_parameters
     from hybridlm.parallel.moe import MoELayer
+    from hybridlm.parallel.state import SINGLE
     settings = dict(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, num_experts=8,
                     moe_router_topk=2, moe_aux_loss_coeff=0.1)
     settings.update(overrides)
-    return MoELayer(ModelConfig(**settings), layer_number=0)
+    layer = MoELayer(ModelConfig(**settings), layer_number=0)
+    init_parameters(layer, seed=3, tp=SINGLE)
+    return layer
 
 
 def _switch(probs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
