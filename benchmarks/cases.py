@@ -66,6 +66,9 @@ FP8 = BF16 + ("--transformer-impl", "transformer_engine", "--fp8-format", "hybri
               "--global-batch-size", "64", "--attention-backend", "cudnn")
 L_FP8 = "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, cuDNN attention"
 MIXTRAL_2L = ("--num-layers", "2", "--global-batch-size", "16") + BF16
+# as many of Mixtral-8x7B's 32 layers as one H200 holds at EP=1 (scripts/plan.py: 128.4 of 141 GiB at ZeRO-1)
+MIXTRAL_4L = ("--num-layers", "4", "--global-batch-size", "8") + BF16
+L_MIXTRAL_4L = "Mixtral-8x7B shape, 4 of 32 layers, 1 H200, EP=1, gbs 8, ZeRO-1"
 SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
 # one sample per step, full recompute: the longest sequences; a case past the memory is a failed record
 LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
@@ -128,6 +131,14 @@ CASES = (
     # MoE
     Case("moe-1gpu", "moe", "Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
          flags=MIXTRAL_2L, peers=("megatron-lm",), timeout_s=300),
+    Case("moe-4l-bf16", "moe", f"{L_MIXTRAL_4L}, bf16", model="mixtral-8x7b", flags=MIXTRAL_4L, steps=10, warmup=4,
+         peers=("megatron-lm",), expected_s=240, timeout_s=300),
+    Case("moe-4l-fp8", "moe", f"{L_MIXTRAL_4L}, TE FP8 hybrid (the experts' grouped GEMMs in bf16)", model="mixtral-8x7b",
+         flags=MIXTRAL_4L + ("--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"), steps=10, warmup=4,
+         peers=("megatron-lm",), expected_s=240, timeout_s=300, needs=("te",)),
+    Case("moe-4l-finegrained", "moe", f"{L_MIXTRAL_4L.replace('Mixtral-8x7B shape', 'Mixtral-8x7B attention, 64 experts of width 1792 top-8')}, bf16",
+         model="mixtral-8x7b", flags=MIXTRAL_4L + ("--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "1792"),
+         steps=10, warmup=4, peers=("megatron-lm",), expected_s=240, timeout_s=300),
     Case("mixtral-ep2", "moe", "EP=2, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
          gpus=2, flags=MIXTRAL_2L + ("--expert-model-parallel-size", "2"), peers=("megatron-lm",)),
     Case("moe-ep4-8gpu", "moe", "Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), EP=4 x DP=8, ZeRO-1, bf16, gbs 64",

@@ -25,6 +25,9 @@ GPT2 = ["--normalization", "LayerNorm", "--position-embedding-type", "learned_ab
         "--num-query-groups", "4"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-z-loss-coeff", "1e-3"]
 EP2 = ["--expert-model-parallel-size", "2"]
+# What Qwen2-MoE adds to Mixtral: dense layers between MoE ones, pre-softmax top-k, a gated shared expert, QKV biases.
+QWEN2_MOE = MOE + ["--moe-layer-freq", "2", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "64",
+                   "--moe-shared-expert-gate", "--add-qkv-bias"]
 
 _saved: dict = {}
 

@@ -66,8 +66,27 @@ def train_and_probe(flags: list[str], steps: int = 3) -> dict:
         moe.append(collect_moe_stats(module, cfg, run.ps))
     result = {"losses": losses, "grad_norms": norms, "grads": probe["grads"], "rank": run.ps.global_rank}
     if cfg.model.num_experts is not None:
-        result.update(aux_losses=[m["aux_loss"] for m in moe], z_losses=[m["z_loss"] for m in moe], moe=moe)
+        result.update(aux_losses=[m["aux_loss"] for m in moe], z_losses=[m["z_loss"] for m in moe], moe=moe,
+                      expert_bias=_expert_biases(module))
     return result
+
+
+def _expert_biases(module) -> dict:
+    """{layer number: the router's expert bias after the run} over all stages (auxiliary-loss-free balancing)."""
+    import torch.distributed as dist
+
+    from hybridlm.parallel.moe import moe_layers
+    mine = {layer.layer_number: layer.router.expert_bias.tolist() for layer in moe_layers(module)
+            if layer.router.expert_bias is not None}
+    everyone = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    biases: dict = {}
+    for entry in everyone:
+        for layer, bias in entry.items():
+            assert biases.setdefault(layer, bias) == bias, f"ranks holding layer {layer} disagree on its expert bias"
+    return biases
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -82,6 +101,7 @@ def assert_matches(reference: dict, parallel: dict, tol: float = 1e-5) -> None:
         assert (key in reference) == (key in parallel), f"only one run reports {key}"
         for step, (want, got) in enumerate(zip(reference.get(key, []), parallel.get(key, [])), start=1):
             assert abs(got - want) <= tol * abs(want), f"step {step} {key[:-2]} {got!r} != single-process {want!r}"
+    assert parallel.get("expert_bias") == reference.get("expert_bias"), "the expert biases moved differently"
     for step, (want, got) in enumerate(zip(reference["grad_norms"], parallel["grad_norms"]), start=1):
         if want is not None and got is not None:
             assert abs(got - want) <= tol * abs(want), f"step {step} grad norm {got!r} != single-process {want!r}"

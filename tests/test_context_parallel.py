@@ -149,12 +149,30 @@ def test_context_parallel_layout_matches_single_process(world, layout, zero):
     assert_matches(reference(), parallel(world, layout, zero))
 
 
-def test_cp2_ep2_moe_routes_local_tokens_with_the_single_process_aux_loss():
-    # EP carved out of DP x CP: the two CP ranks of one sample are also the two EP ranks.
+# Adam's eps at 1e-4: with 1e-8, gradient entries near eps turn CP's last-bit differences (the ring sums in
+# another order) into visible parameter differences by step 3 (1.6e-4 in the grad norm with sigmoid scores
+# and seq_aux_loss, 3.5e-7 with this eps; EP2 alone shows 2.4e-5 there too), while a wrong reduction moves
+# the losses and the biases at step 1.
+EXPERT_BIAS_SEQ_AUX = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                       "--moe-router-bias-update-rate", "0.05", "--moe-router-load-balancing-type", "seq_aux_loss",
+                       "--adam-eps", "1e-4")
+
+
+@pytest.mark.parametrize("world, variant", [
+    pytest.param(2, (), id="aux_loss"),
+    pytest.param(2, ("--moe-router-load-balancing-type", "global_aux_loss"), id="global_aux_loss"),
+    pytest.param(4, EXPERT_BIAS_SEQ_AUX, id="dp2_expert_bias_seq_aux_loss"),
+])
+def test_cp2_ep2_moe_routes_local_tokens_with_the_single_process_balancing(world, variant):
+    # EP carved out of DP x CP: the two CP ranks of one sample are also the two EP ranks. The balance
+    # losses see whole sequences (their sums over CP); the global loss's counts and the expert bias's
+    # load are summed over DP x CP, so every rank moves the bias as one process does.
     from test_moe import parallel, reference
-    want, got = reference(), parallel(2, CP2 + EP2, "zero1")
+    want, got = reference(variant), parallel(world, CP2 + EP2, "zero1", variant)
+    if "--moe-router-enable-expert-bias" in variant:
+        assert any(any(v != 0 for v in bias) for bias in want["expert_bias"].values())
     assert [m["layers"]["0"]["tokens_per_expert"] for m in got["moe"]] == [m["layers"]["0"]["tokens_per_expert"] for m in want["moe"]]
-    assert_matches(want, got)  # losses, aux and z losses, grad norms, gradients
+    assert_matches(want, got)  # losses, aux and z losses, expert biases, grad norms, gradients
 
 
 # ---------------------------------------------------------------- checkpoints across CP sizes

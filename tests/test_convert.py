@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from interop_runs import BASE, EP2, GPT2, MOE, TP2PP2, UNTIED, hybridlm_logits, saved_run, train
+from interop_runs import BASE, EP2, GPT2, MOE, QWEN2_MOE, TP2PP2, UNTIED, hybridlm_logits, saved_run, train
 from oracle import ds_config
 
 # (world, flags, ZeRO config, Hugging Face class)
@@ -25,6 +25,7 @@ EXPORTS = {
     "tp2pp2_tied_gqa": (4, TP2PP2, "zero1", "LlamaForCausalLM"),
     "tp2pp2_untied_gqa": (4, TP2PP2 + UNTIED, "zero0", "LlamaForCausalLM"),
     "moe_ep2": (2, MOE + EP2, "zero1", "MixtralForCausalLM"),
+    "qwen2_moe_ep2": (2, QWEN2_MOE + EP2, "zero1", "Qwen2MoeForCausalLM"),
     "gpt2_tp2_zero2": (2, GPT2 + ["--tensor-model-parallel-size", "2"], "zero2", "GPT2LMHeadModel"),
     "dp2_zero3": (2, [], "zero3", "LlamaForCausalLM"),
     "cp2_zero3": (2, ["--context-parallel-size", "2"], "zero3", "LlamaForCausalLM"),  # ZeRO partitions over CP too
@@ -116,6 +117,10 @@ def _hf_model(kind: str, directory, **overrides):
         "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None, head_dim=32),
         "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
         "mixtral": lambda: transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+        # dense layers 1 and 3, pre-softmax top-2 of 8, a gated shared expert, query/key/value biases
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**{**common, "num_hidden_layers": 4}, moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=48, num_experts=8,
+                                                         num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1, 3]),
         "gpt2": lambda: transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                                 bos_token_id=0, eos_token_id=0),
     }
@@ -133,7 +138,7 @@ def _tensors(directory) -> dict:
 
 
 @pytest.mark.parametrize("kind, tp, pp, ep", [("llama", 2, 2, 1), ("mistral", 1, 2, 1), ("qwen2", 2, 1, 1),
-                                              ("mixtral", 2, 1, 2), ("gpt2", 2, 2, 1)])
+                                              ("mixtral", 2, 1, 2), ("qwen2_moe", 2, 2, 2), ("gpt2", 2, 2, 1)])
 def test_hf_to_hybridlm_to_hf_is_bit_identical(tmp_path, kind, tp, pp, ep):
     from hybridlm.interop.export import export_to_hf
     from hybridlm.interop.import_ import import_from_hf
@@ -146,7 +151,7 @@ def test_hf_to_hybridlm_to_hf_is_bit_identical(tmp_path, kind, tp, pp, ep):
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen2_moe"])
 def test_imported_model_computes_the_original_logits(tmp_path, kind):
     from hybridlm.interop.import_ import import_from_hf
     from hybridlm.interop.reader import CheckpointReader
@@ -261,7 +266,9 @@ def _weights_only_checkpoint(directory, flags: list[str]) -> None:
 EXPORT_CASES = [
     pytest.param(lambda d: os.makedirs(d), "not a hybridlm checkpoint folder", id="not_a_checkpoint"),
     pytest.param(lambda d: _weights_only_checkpoint(d, BASE + MOE + ["--moe-layer-freq", "2"]),
-                 "which Mixtral cannot express", id="no_hf_equivalent"),
+                 "Qwen2-MoE always has a gated shared expert", id="dense_layers_without_shared_expert"),
+    pytest.param(lambda d: _weights_only_checkpoint(d, BASE + MOE + ["--moe-router-score-function", "sigmoid"]),
+                 "which neither Mixtral nor Qwen2-MoE computes", id="sigmoid_router"),
 ]
 
 

@@ -30,6 +30,10 @@ def _checkpoint(tmp_path, kind: str = "llama", tp: int = 2) -> str:
                                                       num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4,
                                                       num_experts_per_tok=2, **common),
         "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, **common),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                                         num_key_value_heads=2, max_position_embeddings=64, moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                                         mlp_only_layers=[1], **common),
     }[kind]()
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / f"hf_{kind}"))
     directory = str(tmp_path / f"ckpt_{kind}")
@@ -46,7 +50,7 @@ def test_filter_logits_keeps_the_top_k_then_the_smallest_nucleus():
     assert torch.isfinite(filter_logits(logits, 1, 0.99)).tolist() == [[True, False, False, False]]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mixtral", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "mixtral", "qwen2_moe", "gpt2"])
 def test_kv_cache_decoding_equals_the_full_forward(tmp_path, kind):
     from hybridlm.interop.generate import KVCache, load_for_generation
     from hybridlm.parallel.state import SINGLE
@@ -82,6 +86,29 @@ def test_greedy_generation_under_tp2_equals_transformers_generate_on_the_export(
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(output.read_text())[0]["generated_ids"] == theirs
+
+
+def _greedy_on_rank(checkpoint: str) -> list[int]:
+    import torch.distributed as dist
+    from hybridlm.interop.generate import load_for_generation
+    from hybridlm.parallel.state import ParallelState
+    from hybridlm.training.distributed import init_distributed
+    init_distributed(timeout_minutes=2)
+    generator, _, _ = load_for_generation(checkpoint, ParallelState(tp=dist.get_world_size()).tp, "cpu")
+    return generator.generate(PROMPT, 24)
+
+
+def test_greedy_generation_of_qwen2_moe_under_tp2_equals_transformers_generate_on_the_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from hybridlm.interop.export import export_to_hf
+    checkpoint = _checkpoint(tmp_path, "qwen2_moe")
+    export_to_hf(checkpoint, str(tmp_path / "export"), progress=False, log=lambda line: None)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), local_files_only=True).eval()
+    assert type(model).__name__ == "Qwen2MoeForCausalLM"
+    theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, len(PROMPT):].tolist()
+    assert len(set(theirs)) > 3, "a degenerate continuation would not test much"
+    assert run_ranks(2, _greedy_on_rank, checkpoint) == [theirs, theirs]
 
 
 def _sample_on_rank(checkpoint: str) -> dict:

@@ -97,7 +97,7 @@ def test_moe_layer_equals_naive_per_token_definition_with_aux_loss_gradient(grou
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (grouped_mm's bf16 kernel)")
 def test_grouped_gemm_equals_expert_loop_on_gpu_in_bf16():
-    from hybridlm.parallel.moe import expert_matmul
+    from hybridlm.parallel.moe_dispatch import expert_matmul
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(96, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
     w = torch.randn(4, 128, 64, device="cuda", dtype=torch.bfloat16, generator=generator)
@@ -161,20 +161,27 @@ def test_same_seed_gives_same_full_moe_model_at_any_ep_and_tp():
 
 # ---------------------------------------------------------------- dropping, by hand
 
-def test_capacity_keeps_first_choices_before_second_choices():
-    from hybridlm.parallel.moe import capacity_mask
-    # 3 tokens, top-2, 3 experts, factor 1: capacity ceil(3 x 2 / 3) = 2 per expert. Expert 0 is the
-    # first choice of tokens 0 and 2 and the second choice of token 1: token 1's second choice goes.
+@pytest.mark.parametrize("policy, kept", [
+    # Expert 0 is the first choice of tokens 0 and 2 and the second choice of token 1.
+    ("choice_then_position", [[True, True], [True, False], [True, True]]),  # token 1's second choice goes
+    ("position", [[True, True], [True, True], [False, True]]),  # token 2, the last, goes
+    ("probs", [[False, True], [True, True], [True, True]]),  # the lowest weight, token 0's 0.5, goes
+])
+def test_each_drop_policy_keeps_what_it_prefers(policy, kept):
+    from hybridlm.parallel.moe_routing import keep_mask
+    # 3 tokens, top-2, 3 experts, factor 1: capacity ceil(3 x 2 / 3) = 2 per expert.
     experts = torch.tensor([[0, 1], [1, 0], [0, 2]])
-    keep = capacity_mask(experts, num_experts=3, capacity_factor=1.0)
-    assert keep.tolist() == [[True, True], [True, False], [True, True]]
+    weights = torch.tensor([[0.5, 0.5], [0.4, 0.6], [0.7, 0.3]])
+    keep = keep_mask(experts, weights, num_experts=3, factor=1.0, policy=policy)
+    assert keep.tolist() == kept
 
 
 def test_dropped_fraction_and_outputs_match_a_hand_computed_case():
     # Router rows are unit vectors, so token t goes to the expert its input points at:
     # experts [0, 0, 0, 0, 1, 1, 2, 3] for 8 tokens, top-1, factor 1 -> capacity 2: expert 0
     # keeps tokens 0 and 1 (earlier first) and drops 2 and 3, 2 of 8 assignments.
-    layer = _tiny_layer(moe_router_topk=1, moe_capacity_factor=1.0, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    layer = _tiny_layer(moe_router_topk=1, moe_router_pre_softmax=True, moe_capacity_factor=1.0, moe_aux_loss_coeff=0.0,
+                        moe_z_loss_coeff=0.0, moe_token_drop_policy="position")
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[torch.arange(4), torch.arange(4)] = 10.0
@@ -186,8 +193,9 @@ def test_dropped_fraction_and_outputs_match_a_hand_computed_case():
     counts, dropped, assigned = stats[:4], stats[4], stats[5]
     assert counts.tolist() == [4, 2, 1, 1] and dropped.item() / assigned.item() == 0.25
     assert torch.all(y[2:4] == 0) and torch.all(y[[0, 1, 4, 5, 6, 7]].abs().sum(-1) > 0)
-    gate, up = (x[0, 0] @ layer.w1[0].t()).chunk(2)  # token 0 through expert 0, with weight 1
-    assert torch.allclose(y[0], (F.silu(gate) * up) @ layer.w2[0].t())
+    gate, up = (x[0, 0] @ layer.w1[0].t()).chunk(2)  # token 0 through expert 0, weighted by its probability
+    weight = torch.tensor([10.0, 0, 0, 0]).softmax(0)[0]
+    assert torch.allclose(y[0], weight * (F.silu(gate) * up) @ layer.w2[0].t())
 
 
 def _train_and_capture(flags: list[str]) -> str:
@@ -217,6 +225,44 @@ def test_routing_statistics_reach_the_log_line_and_the_metrics_file(tmp_path):
         assert record["moe_dropped_fraction"] > 0.0
 
 
+def test_tracker_metrics_chart_each_layers_load_and_drops_as_scalars():
+    from hybridlm.training.metrics import _moe_line
+    from hybridlm.training.moe_metrics import tracker_metrics
+    layers = {"0": {"tokens_per_expert": [30.0, 10.0, 20.0, 20.0], "dropped_fraction": 0.25, "aux_loss": 0.01, "z_loss": 0.0},
+              "2": {"tokens_per_expert": [20.0] * 64, "dropped_fraction": 0.0, "aux_loss": 0.02, "z_loss": 0.0}}
+    metrics = tracker_metrics({"iteration": 3, "loss": 2.0, "time": 0.0, "moe_layers": layers})
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics["moe/layer0/max_load"] == 1.5 and metrics["moe/layer0/expert1_load"] == 0.5
+    assert metrics["moe/layer0/dropped_fraction"] == 0.25 and metrics["moe/layer2/expert63_load"] == 1.0
+    line = _moe_line({"aux_loss": 0.03, "z_loss": 0.0, "dropped_fraction": 0.1, "layers": layers})
+    assert "L0 [30 10 20 20] drop 25.0%" in line and "L2 load max 1.00x min 1.00x drop 0.0%" in line  # 64 experts: a summary
+
+
+def test_fine_grained_experts_64_of_width_32_top8_at_ep2_match_single_process():
+    variant = ("--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "32")
+    assert_matches(reference(variant), parallel(2, EP2, "zero1", variant))
+
+
+@pytest.mark.slow
+def test_torch_compile_of_moe_layers_computes_the_eager_function():
+    # torch.compile's shape check of grouped_mm demands bf16, so fp32 CPU runs loop over experts there.
+    assert_matches(reference(), run_ranks(1, train_and_probe, TINY + MOE + ["--torch-compile"] + ds_config("zero1"), timeout=600)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (host syncs are a device matter)")
+def test_dropless_expert_layer_at_ep1_never_waits_for_the_host_on_gpu():
+    layer = _tiny_layer(hidden_size=128, ffn_hidden_size=256, num_experts=64, moe_router_topk=8).cuda().bfloat16()
+    x = torch.randn(64, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()  # warm-up (allocator, kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_mixtral_8x7b_preset_counts_its_active_parameters():
     from hybridlm.config import parse_args
     from hybridlm.presets import model_flags
@@ -237,6 +283,16 @@ def test_mixtral_8x7b_preset_counts_its_active_parameters():
                  "--expert-model-parallel-size 4 does not divide the data-parallel size 2", id="ep_not_dividing_dp"),
     pytest.param(2, EP2, "--expert-model-parallel-size 2 needs --num-experts", id="ep_without_experts"),
     pytest.param(2, ["--num-experts", "4"] + ds_config("zero3"), "--num-experts cannot be combined with ZeRO stage 3", id="zero3"),
+    pytest.param(1, ["--num-experts", "4", "--moe-router-topk", "1"],
+                 "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax", id="top1_post_softmax"),
+    pytest.param(1, ["--num-experts", "4", "--moe-router-enable-expert-bias"],
+                 "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid", id="expert_bias_with_softmax"),
+    pytest.param(1, ["--num-experts", "8", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
+                 "--moe-router-num-groups 3 must divide --num-experts 8", id="groups_not_dividing_experts"),
+    pytest.param(1, ["--num-experts", "8", "--moe-router-num-groups", "4"],
+                 "--moe-router-num-groups and --moe-router-group-topk go together", id="groups_without_group_topk"),
+    pytest.param(1, ["--num-experts", "4", "--moe-shared-expert-gate"],
+                 "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size", id="gate_without_shared_expert"),
     pytest.param(2, ["--num-experts", "4", "--torch-compile"] + EP2,
                  "--torch-compile cannot be combined with --expert-model-parallel-size 2", id="compile_with_ep"),
 ])

@@ -106,6 +106,19 @@ def test_candidates_never_pair_zero2_or_3_with_a_pipeline():
     assert all(lay.tp <= 8 and 32 % lay.world == 0 for lay in layouts)
 
 
+def test_moe_candidates_split_experts_over_ep_and_pay_for_the_all_to_all():
+    from hybridlm.planner.memory import Layout, estimate
+    from hybridlm.planner.search import Cluster, all_to_all_seconds, candidate_layouts
+    cfg = _cfg("mixtral-8x7b")
+    layouts = candidate_layouts(cfg, Cluster(64), micro_batch_size=1, global_batch_size=1024)
+    assert {lay.ep for lay in layouts} == {1, 2, 4, 8} and all(lay.dp % lay.ep == 0 for lay in layouts)
+    one, eight = (Layout(pp=4, dp=16, ep=ep, zero=1, grad_accum=64, recompute="full") for ep in (1, 8))
+    assert estimate(cfg, eight).parameters < estimate(cfg, one).parameters / 5  # 45B of 47B are experts
+    in_node, across = all_to_all_seconds(cfg, eight, Cluster(64)), all_to_all_seconds(cfg, Layout(tp=2, pp=4, dp=8, ep=8,
+                                                                                                  grad_accum=128), Cluster(64))
+    assert all_to_all_seconds(cfg, one, Cluster(64)) == 0.0 < in_node < across  # TP2 x EP8 leaves the node
+
+
 def test_nothing_fits_is_said_and_exits_1(capsys):
     from hybridlm.planner.report import main
     assert main(["--model", "llama2-70b", "--gpus", "8", "--gpu-memory", "24"]) == 1

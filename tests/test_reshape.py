@@ -73,6 +73,30 @@ def test_expert_parallel_checkpoint_resumes_exactly_and_reshapes(root):
     _assert_same_losses(single["losses"], whole["losses"][2:])
 
 
+EP4 = ["--expert-model-parallel-size", "4"]
+EXPERT_BIAS = ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05"]
+
+
+@pytest.mark.parametrize("world, layout, zero", [
+    pytest.param(2, MOE + EP2, "zero1", id="ep2"),
+    pytest.param(1, MOE, "zero0", id="ep1"),
+])
+def test_ep4_checkpoint_continues_at_a_smaller_ep_with_the_same_losses(root, world, layout, zero):
+    directory, _ = saved_run(root, 4, MOE + EP4, "zero1")
+    unchanged = _continue(directory, 4, MOE + EP4, "zero1")
+    _assert_same_losses(_continue(directory, world, layout, zero)["losses"], unchanged["losses"])
+
+
+def test_expert_bias_resumes_exactly_and_carries_over_to_another_ep(root):
+    flags = BASE + MOE + EXPERT_BIAS + EP2 + ds_config("zero1")
+    directory, first = saved_run(root, 2, MOE + EXPERT_BIAS + EP2, "zero1")
+    whole = run_ranks(2, train, flags + ["--train-iters", "4"], 4)[0]
+    resumed = _continue(directory, 2, MOE + EXPERT_BIAS + EP2, "zero1")
+    assert first["losses"] + resumed["losses"] == whole["losses"]  # the biases of step 2 came back
+    single = _continue(directory, 1, MOE + EXPERT_BIAS, "zero0")
+    _assert_same_losses(single["losses"], whole["losses"][2:])
+
+
 def _other_model_checkpoint(directory) -> None:
     import torch
     from hybridlm.config import parse_args

@@ -112,11 +112,9 @@ REFUSED = (
             takes_value=True),
     Refused("--rampup-batch-size", "(a batch-size ramp) is not implemented; use a constant --global-batch-size.",
             takes_value=True),
-    Refused("--data-parallel-size", "is derived here as in Megatron-LM: world size / (TP x PP); drop it.", takes_value=True),
+    Refused("--data-parallel-size", "is derived here as in Megatron-LM: world size / (TP x PP x CP); drop it.", takes_value=True),
     Refused("--gradient-accumulation-steps", "is derived from --global-batch-size / (--micro-batch-size x DP); "
             "give --global-batch-size instead.", takes_value=True),
-    Refused("--moe-expert-capacity-factor", "drops tokens by Megatron's policy (lowest probabilities first); hybridlm's "
-            "--moe-capacity-factor keeps first choices first, earlier tokens first: use that.", takes_value=True),
     Refused("--use-fused-kernels", "is not a Megatron-LM flag; hybridlm's fused kernels are --fused-ops all."),
     Refused("--use-torch-compile", "is not a Megatron-LM flag; hybridlm's is --torch-compile."),
 )

@@ -9,6 +9,9 @@ from ..presets import MODELS
 from .fields import ConfigError, flag
 
 FUSED_OPS = ("rmsnorm", "rope", "swiglu")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+DROP_POLICIES = ("probs", "position", "choice_then_position")
 
 
 @dataclass
@@ -57,14 +60,27 @@ class ModelConfig:
     num_experts: Optional[int] = flag(None, "Mixture-of-Experts: routed experts per MoE layer (default: a dense model).")
     moe_layer_freq: int = flag(1, "MoE in every k-th layer (layers 0, k, 2k, ...); the others keep the dense MLP.")
     moe_ffn_hidden_size: Optional[int] = flag(None, "Inner width of each expert (default: --ffn-hidden-size).")
-    moe_router_topk: int = flag(2, "Experts each token is routed to (softmax over the chosen experts' logits, as Mixtral).")
+    moe_router_topk: int = flag(2, "Experts each token is routed to (by default a softmax over the chosen experts' logits, as Mixtral; see --moe-router-score-function and --moe-router-pre-softmax).")
     moe_aux_loss_coeff: float = flag(0.0, "Weight of the load-balancing loss (Switch/GShard: E x sum of token fraction x mean probability).")
-    moe_router_load_balancing_type: str = flag("aux_loss", "Load balancing: aux_loss (the loss above) or none (no loss, whatever --moe-aux-loss-coeff says).", choices=("aux_loss", "none"))
+    moe_router_load_balancing_type: str = flag("aux_loss", "Which load-balancing loss --moe-aux-loss-coeff weighs (Megatron's): aux_loss over each micro-batch's tokens, seq_aux_loss per sequence and averaged (DeepSeek-V2/V3), global_aux_loss with the token fractions of the whole data-parallel batch (accumulated over the step's micro-batches), or none.",
+                                               choices=LOAD_BALANCING_TYPES)
     moe_z_loss_coeff: float = flag(0.0, "Weight of the router z-loss (mean squared log-sum-exp of the router logits).")
-    moe_capacity_factor: Optional[float] = flag(None, "Expert capacity as a multiple of an even share of the assignments; each expert keeps first choices before second ones, earlier tokens first, and drops the rest (default: dropless).")
+    moe_capacity_factor: Optional[float] = flag(None, "Expert capacity as a multiple of an even share of the micro-batch's assignments; each expert keeps what --moe-token-drop-policy prefers and drops the rest (default: dropless).",
+                                                aliases=("--moe-expert-capacity-factor",))
     moe_shared_expert_intermediate_size: Optional[int] = flag(None, "Width of a shared expert every token also goes through (default: none).")
     moe_grouped_gemm: bool = flag(True, "Compute the experts as one grouped GEMM (torch.nn.functional.grouped_mm) where torch offers it; else a loop over experts.")
     moe_token_dispatcher_type: str = flag("allgather", "How tokens reach their experts in Megatron-LM; here both travel by all-to-all over EP, with the same result (dropless routing is unchanged).", choices=("allgather", "alltoall", "flex"))
+    moe_router_score_function: str = flag("softmax", "Router scores: softmax (Mixtral, Qwen-MoE), sigmoid (DeepSeek-V3) or sqrtsoftplus; sigmoid-type scores are taken before the top-k and, for k > 1, normalised over the chosen experts.",
+                                          choices=SCORE_FUNCTIONS)
+    moe_router_pre_softmax: bool = flag(False, "Softmax over all experts before the top-k, the chosen probabilities used as they are (Qwen2-MoE without norm_topk_prob, DeepSeek-V2), instead of a softmax over the chosen logits; no effect on sigmoid-type scores.")
+    moe_router_topk_scaling_factor: Optional[float] = flag(None, "Multiply the chosen experts' routing weights by this (DeepSeek-V3: 2.5; default: none).")
+    moe_router_num_groups: Optional[int] = flag(None, "Group-limited routing (DeepSeek-V2/V3): the experts fall into this many equal groups (e.g. one per EP rank or node) and each token chooses its experts within its best --moe-router-group-topk groups.")
+    moe_router_group_topk: Optional[int] = flag(None, "Group-limited routing: how many groups each token chooses its experts from (a group scores the sum of its best topk / group-topk experts' scores).")
+    moe_router_enable_expert_bias: bool = flag(False, "Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores for choosing experts only, moves by --moe-router-bias-update-rate after every step towards equal load; needs sigmoid-type scores.")
+    moe_router_bias_update_rate: float = flag(1e-3, "Step of the expert-bias update: bias += rate x sign(mean load - expert's load), the load counted over the whole step on every data-parallel rank.")
+    moe_token_drop_policy: str = flag("probs", "With --moe-capacity-factor, which assignments an expert keeps: probs (the highest routing weights; Megatron's default), position (the earliest tokens), or choice_then_position (every first choice before any second choice, then the earliest tokens: GShard / DeepSpeed-MoE, hybridlm's rule before this flag).",
+                                      choices=DROP_POLICIES)
+    moe_shared_expert_gate: bool = flag(False, "Scale the shared expert's output by sigmoid(x . g) with a learned vector g per layer (Qwen2-MoE).")
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
     packed_samples: bool = flag(False, "Derived from --packing: rows hold several samples that attention must keep apart.", cli=False)
 
@@ -128,6 +144,32 @@ class ModelConfig:
             raise ConfigError("--num-experts cannot be combined with --add-bias-linear: experts have no biases (as in Mixtral).")
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+        self._check_router()
+
+    def _check_router(self):
+        """Megatron's checks of the router options, each as one sentence."""
+        k, experts = self.moe_router_topk, self.num_experts
+        if k == 1 and self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax:
+            raise ConfigError("--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax: a softmax over one "
+                              "chosen logit is always 1, so the router would learn nothing from the language-model loss.")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
+            raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (or sqrtsoftplus), "
+                              "as in DeepSeek-V3 and Megatron.")
+        if self.moe_router_bias_update_rate < 0:
+            raise ConfigError(f"--moe-router-bias-update-rate must not be negative, got {self.moe_router_bias_update_rate}.")
+        if self.moe_router_topk_scaling_factor is not None and self.moe_router_topk_scaling_factor <= 0:
+            raise ConfigError(f"--moe-router-topk-scaling-factor must be positive, got {self.moe_router_topk_scaling_factor}.")
+        if self.moe_shared_expert_gate and not self.moe_shared_expert_intermediate_size:
+            raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size: there is no shared expert to gate.")
+        groups, chosen = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (chosen is None):
+            raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together: give both or neither.")
+        if groups is not None:
+            if groups < 1 or experts % groups:
+                raise ConfigError(f"--moe-router-num-groups {groups} must divide --num-experts {experts}.")
+            if not 1 <= chosen <= groups or k % chosen or chosen * (experts // groups) < k:
+                raise ConfigError(f"--moe-router-group-topk {chosen} must be between 1 and --moe-router-num-groups {groups}, divide "
+                                  f"--moe-router-topk {k}, and its groups must hold at least {k} experts.")
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether 0-based layer ``layer_number`` has experts instead of the dense MLP (Megatron's rule)."""

@@ -22,7 +22,7 @@ from ..parallel.plan import ParallelPlan
 from ..parallel.state import GroupHandle
 from .layout import resolve_tag_dir, vocab_parameters
 from .reader import CheckpointReader
-from .reshape import fit_rows, to_local
+from .reshape import fit_rows, load_buffers, to_local
 
 
 @dataclass
@@ -164,6 +164,7 @@ def load_for_generation(checkpoint: str, tp: GroupHandle, device, dtype: Optiona
             if name in vocab:
                 full = fit_rows(full, cfg.padded_vocab_size)
             param.copy_(to_local(full, param, _TPOnly(tp)).to(param.dtype))
+    load_buffers(model, reader)
     return Generator(model, cfg, tp, cfg.vocab_size), cfg, reader.info.settings
 
 

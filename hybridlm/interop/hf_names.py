@@ -8,7 +8,9 @@ tensors to one or more of theirs and back:
     attention.qkv      [q; k; v] rows           -> q_proj, k_proj, v_proj (GPT-2: c_attn, transposed)
     mlp.fc1            [gate; up] rows (SwiGLU)  -> gate_proj, up_proj
     mlp.moe.w1         [E, gate; up, hidden]    -> experts.<e>.w1 (gate), experts.<e>.w3 (up)   (Mixtral)
-    mlp.moe.w2         [E, hidden, ffn]         -> experts.<e>.w2
+                                                -> experts.<e>.gate_proj, experts.<e>.up_proj   (Qwen2-MoE)
+    mlp.moe.w2         [E, hidden, ffn]         -> experts.<e>.w2 / experts.<e>.down_proj
+    mlp.shared.fc1/2, mlp.shared_gate           -> shared_expert.*, shared_expert_gate       (Qwen2-MoE)
     GPT-2 linears      Conv1D stores W^T
 
 RoPE already uses Hugging Face's half-rotation layout, so q and k need no permutation. The
@@ -60,22 +62,22 @@ def _vocab(name: str, vocab_size: int) -> Rule:
     return Rule((name,), lambda t: [t[:vocab_size]], join)
 
 
-def _experts_w1(prefix: str, num_experts: int, ffn: int) -> Rule:
-    names = tuple(f"{prefix}.experts.{e}.{w}.weight" for e in range(num_experts) for w in ("w1", "w3"))
+def _experts_w1(prefix: str, num_experts: int, ffn: int, gate_up: tuple[str, str] = ("w1", "w3")) -> Rule:
+    names = tuple(f"{prefix}.experts.{e}.{w}.weight" for e in range(num_experts) for w in gate_up)
     return Rule(names, lambda t: [half for e in range(num_experts) for half in torch.split(t[e], [ffn, ffn], dim=0)],
                 lambda ts, shape: torch.stack([torch.cat(ts[2 * e: 2 * e + 2], dim=0) for e in range(num_experts)]))
 
 
-def _experts_w2(prefix: str, num_experts: int) -> Rule:
-    names = tuple(f"{prefix}.experts.{e}.w2.weight" for e in range(num_experts))
+def _experts_w2(prefix: str, num_experts: int, down: str = "w2") -> Rule:
+    names = tuple(f"{prefix}.experts.{e}.{down}.weight" for e in range(num_experts))
     return Rule(names, lambda t: list(t.unbind(0)), lambda ts, shape: torch.stack(ts))
 
 
 # ---------------------------------------------------------------- architectures
 
-LLAMA, MISTRAL, QWEN2, MIXTRAL, GPT2 = "llama", "mistral", "qwen2", "mixtral", "gpt2"
+LLAMA, MISTRAL, QWEN2, MIXTRAL, QWEN2_MOE, GPT2 = "llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "gpt2"
 HF_CLASSES = {LLAMA: "LlamaForCausalLM", MISTRAL: "MistralForCausalLM", QWEN2: "Qwen2ForCausalLM",
-              MIXTRAL: "MixtralForCausalLM", GPT2: "GPT2LMHeadModel"}
+              MIXTRAL: "MixtralForCausalLM", QWEN2_MOE: "Qwen2MoeForCausalLM", GPT2: "GPT2LMHeadModel"}
 
 
 def export_architecture(cfg: ModelConfig) -> str:
@@ -90,11 +92,7 @@ def export_architecture(cfg: ModelConfig) -> str:
             raise ConfigError("the GPT-2 style model uses grouped-query attention or a separate --kv-channels, which GPT-2 cannot express.")
         return GPT2
     if cfg.num_experts is not None:
-        if cfg.moe_layer_freq != 1 or cfg.moe_shared_expert_intermediate_size:
-            raise ConfigError("the MoE model has dense layers (--moe-layer-freq > 1) or a shared expert, which Mixtral cannot express.")
-        if cfg.add_bias_linear or cfg.add_qkv_bias:
-            raise ConfigError("the MoE model has linear biases, which Mixtral cannot express.")
-        return MIXTRAL
+        return _moe_architecture(cfg)
     if cfg.add_qkv_bias and not cfg.add_bias_linear:
         if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
             raise ConfigError("the model has query/key/value biases (Qwen2) and a separate --kv-channels, which Qwen2 cannot express.")
@@ -102,11 +100,31 @@ def export_architecture(cfg: ModelConfig) -> str:
     return LLAMA
 
 
+def _moe_architecture(cfg: ModelConfig) -> str:
+    """Mixtral (every layer MoE, softmax over the chosen k, no shared expert, no biases) or Qwen2-MoE
+    (a gated shared expert, dense layers, pre-softmax top-k and query/key/value biases allowed)."""
+    if (cfg.moe_router_score_function != "softmax" or cfg.moe_router_num_groups or cfg.moe_router_topk_scaling_factor
+            or cfg.moe_router_enable_expert_bias):
+        raise ConfigError("the MoE model routes with sigmoid-type scores, group-limited top-k, a scaling factor or an "
+                          "expert bias, which neither Mixtral nor Qwen2-MoE computes (they take a softmax top-k).")
+    if cfg.add_bias_linear:
+        raise ConfigError("the MoE model has linear biases, which neither Mixtral nor Qwen2-MoE can express.")
+    if not (cfg.moe_shared_expert_intermediate_size or cfg.moe_layer_freq != 1 or cfg.moe_router_pre_softmax or cfg.add_qkv_bias):
+        return MIXTRAL
+    if not cfg.moe_shared_expert_intermediate_size or not cfg.moe_shared_expert_gate:
+        raise ConfigError("the MoE model has dense layers, pre-softmax routing or query/key/value biases, which only Qwen2-MoE "
+                          "expresses, and Qwen2-MoE always has a gated shared expert: this model needs "
+                          "--moe-shared-expert-intermediate-size and --moe-shared-expert-gate.")
+    if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size:
+        raise ConfigError("the MoE model has a separate --kv-channels, which Qwen2-MoE cannot express.")
+    return QWEN2_MOE
+
+
 def parameter_rules(arch: str, cfg: ModelConfig, names: list[str]) -> dict[str, Rule]:
     """A Rule for each of our parameter ``names``; ConfigError for one the family has no place for."""
     rules = {}
     for name in names:
-        rule = (_gpt2_rule if arch == GPT2 else _llama_rule)(name, cfg)
+        rule = _gpt2_rule(name, cfg) if arch == GPT2 else _llama_rule(name, cfg, arch)
         if rule is None:
             raise ConfigError(f"parameter {name} has no place in a Hugging Face {HF_CLASSES[arch]}.")
         if cfg.apply_layernorm_1p and name.endswith("norm.weight"):
@@ -128,7 +146,7 @@ def _split_layer(name: str, cfg: ModelConfig) -> tuple[Optional[int], str]:
     return None, name
 
 
-def _llama_rule(name: str, cfg: ModelConfig) -> Optional[Rule]:
+def _llama_rule(name: str, cfg: ModelConfig, arch: str) -> Optional[Rule]:
     layer, local = _split_layer(name, cfg)
     L = cfg.num_layers
     if layer is None:
@@ -141,7 +159,7 @@ def _llama_rule(name: str, cfg: ModelConfig) -> Optional[Rule]:
         return None
     p = f"model.layers.{layer}"
     q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
-    ffn = cfg.ffn_hidden_size
+    ffn, shared = cfg.ffn_hidden_size, cfg.moe_shared_expert_intermediate_size
     table = {
         "input_norm.weight": lambda: _same(f"{p}.input_layernorm.weight"),
         "post_attention_norm.weight": lambda: _same(f"{p}.post_attention_layernorm.weight"),
@@ -153,10 +171,23 @@ def _llama_rule(name: str, cfg: ModelConfig) -> Optional[Rule]:
         "mlp.fc1.bias": lambda: _rows((f"{p}.mlp.gate_proj.bias", f"{p}.mlp.up_proj.bias"), [ffn, ffn]),
         "mlp.fc2.weight": lambda: _same(f"{p}.mlp.down_proj.weight"),
         "mlp.fc2.bias": lambda: _same(f"{p}.mlp.down_proj.bias"),
-        "mlp.moe.router.weight": lambda: _same(f"{p}.block_sparse_moe.gate.weight"),
-        "mlp.moe.w1": lambda: _experts_w1(f"{p}.block_sparse_moe", cfg.num_experts, cfg.moe_ffn_hidden_size),
-        "mlp.moe.w2": lambda: _experts_w2(f"{p}.block_sparse_moe", cfg.num_experts),
     }
+    if arch == MIXTRAL:
+        table.update({
+            "mlp.moe.router.weight": lambda: _same(f"{p}.block_sparse_moe.gate.weight"),
+            "mlp.moe.w1": lambda: _experts_w1(f"{p}.block_sparse_moe", cfg.num_experts, cfg.moe_ffn_hidden_size),
+            "mlp.moe.w2": lambda: _experts_w2(f"{p}.block_sparse_moe", cfg.num_experts),
+        })
+    if arch == QWEN2_MOE:
+        table.update({
+            "mlp.moe.router.weight": lambda: _same(f"{p}.mlp.gate.weight"),
+            "mlp.moe.w1": lambda: _experts_w1(f"{p}.mlp", cfg.num_experts, cfg.moe_ffn_hidden_size, ("gate_proj", "up_proj")),
+            "mlp.moe.w2": lambda: _experts_w2(f"{p}.mlp", cfg.num_experts, "down_proj"),
+            "mlp.shared.fc1.weight": lambda: _rows((f"{p}.mlp.shared_expert.gate_proj.weight", f"{p}.mlp.shared_expert.up_proj.weight"),
+                                                  [shared, shared]),
+            "mlp.shared.fc2.weight": lambda: _same(f"{p}.mlp.shared_expert.down_proj.weight"),
+            "mlp.shared_gate": lambda: _same(f"{p}.mlp.shared_expert_gate.weight"),
+        })
     return table[local]() if local in table else None
 
 
@@ -208,6 +239,14 @@ def hf_config(arch: str, cfg: ModelConfig, *, bos: Optional[int], eos: Optional[
         return transformers.MixtralConfig(**{**llama_like, "intermediate_size": cfg.moe_ffn_hidden_size},
                                           num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
                                           router_aux_loss_coef=cfg.moe_aux_loss_coeff, sliding_window=None)
+    if arch == QWEN2_MOE:
+        dense = [layer for layer in range(cfg.num_layers) if not cfg.is_moe_layer(layer)]
+        return transformers.Qwen2MoeConfig(**llama_like, moe_intermediate_size=cfg.moe_ffn_hidden_size,
+                                           shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+                                           num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                                           norm_topk_prob=not cfg.moe_router_pre_softmax, decoder_sparse_step=1,
+                                           mlp_only_layers=dense, qkv_bias=cfg.add_qkv_bias,
+                                           router_aux_loss_coef=cfg.moe_aux_loss_coeff, use_sliding_window=False)
     if arch == QWEN2:
         llama_like.pop("head_dim")
         return transformers.Qwen2Config(**llama_like, use_sliding_window=False)

@@ -1,4 +1,4 @@
-"""A local Hugging Face Llama / Mistral / Qwen2 / Mixtral (or GPT-2) directory -> a hybridlm checkpoint.
+"""A local Hugging Face Llama / Mistral / Qwen2 / Mixtral / Qwen2-MoE (or GPT-2) directory -> a hybridlm checkpoint.
 
 The config.json becomes our model flags (refusing what our model cannot compute: RoPE scaling,
 a sliding window shorter than the sequence, other activations), the safetensors tensors become
@@ -21,13 +21,13 @@ from typing import Callable, Optional
 import torch
 
 from ..config import ConfigError, config_from_dict
-from .hf_names import GPT2, HF_CLASSES, LLAMA, MISTRAL, MIXTRAL, QWEN2, parameter_rules
+from .hf_names import GPT2, HF_CLASSES, LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN2_MOE, parameter_rules
 from .layout import parameter_table
 from .tokenizer_files import HF_TOKENIZER_FILES
 from .writer import write_checkpoint
 
 SUPPORTED = {"LlamaForCausalLM": LLAMA, "MistralForCausalLM": MISTRAL, "Qwen2ForCausalLM": QWEN2,
-             "MixtralForCausalLM": MIXTRAL, "GPT2LMHeadModel": GPT2}
+             "MixtralForCausalLM": MIXTRAL, "Qwen2MoeForCausalLM": QWEN2_MOE, "GPT2LMHeadModel": GPT2}
 # Non-parameter tensors some checkpoints carry (causal-mask and RoPE buffers of older transformers).
 _IGNORED = re.compile(r"(\.attn\.(masked_)?bias|rotary_emb\.inv_freq)$")
 
@@ -140,7 +140,7 @@ def model_flags(arch: str, hf, directory: str, seq_length: Optional[int]) -> dic
     positions = hf.max_position_embeddings
     seq = seq_length or min(positions, 4096)
     window = getattr(hf, "sliding_window", None)
-    if arch == QWEN2 and not getattr(hf, "use_sliding_window", False):
+    if arch in (QWEN2, QWEN2_MOE) and not getattr(hf, "use_sliding_window", False):
         window = None
     if window is not None and window < seq:
         raise ConfigError(f"{where} has sliding_window {window}, shorter than --seq-length {seq}; hybridlm has no "
@@ -166,7 +166,26 @@ def model_flags(arch: str, hf, directory: str, seq_length: Optional[int]) -> dic
     if arch == MIXTRAL:
         flags.update(num_experts=hf.num_local_experts, moe_router_topk=hf.num_experts_per_tok,
                      moe_ffn_hidden_size=hf.intermediate_size, moe_aux_loss_coeff=hf.router_aux_loss_coef)
+    if arch == QWEN2_MOE:
+        flags.update(_qwen2_moe_flags(hf, where))
     return flags
+
+
+def _qwen2_moe_flags(hf, where: str) -> dict:
+    """Qwen2-MoE: a softmax top-k (renormalised over the k with norm_topk_prob, else pre-softmax), a
+    shared expert behind a sigmoid gate, dense layers where mlp_only_layers or decoder_sparse_step say."""
+    layers = hf.num_hidden_layers
+    sparse = [i for i in range(layers) if i not in (hf.mlp_only_layers or []) and (i + 1) % hf.decoder_sparse_step == 0]
+    freq = next((f for f in range(1, layers + 1) if sparse == list(range(0, layers, f))), None)
+    if freq is None or not hf.num_experts:
+        raise ConfigError(f"{where} puts experts in layers {sparse}; hybridlm's --moe-layer-freq puts them in every k-th "
+                          "layer from layer 0.")
+    if not hf.shared_expert_intermediate_size:
+        raise ConfigError(f"{where} has no shared expert (shared_expert_intermediate_size 0), which Qwen2-MoE's layer always runs.")
+    return dict(num_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok, moe_ffn_hidden_size=hf.moe_intermediate_size,
+                moe_layer_freq=freq, moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True, moe_router_pre_softmax=not hf.norm_topk_prob,
+                moe_aux_loss_coeff=hf.router_aux_loss_coef, add_qkv_bias=bool(getattr(hf, "qkv_bias", True)))
 
 
 def import_from_hf(hf_dir: str, output: str, *, tp: int = 1, pp: int = 1, ep: int = 1, seq_length: Optional[int] = None,

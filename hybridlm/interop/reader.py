@@ -64,6 +64,15 @@ class CheckpointReader:
         for name in self.params:
             yield name, self.weight(name)
 
+    def buffer(self, name: str) -> Optional[torch.Tensor]:
+        """A saved persistent buffer (replicated on every rank: the expert bias of auxiliary-loss-free
+        routing), or None when the checkpoint has none of that name (saved without it)."""
+        if self._module_index is None:
+            self._module_index = self._index_modules()
+        if (0, 0) not in self._module_index.get(name, {}):
+            return None
+        return self._module_local(name, 0, 0).detach()
+
     def optimizer_state(self, name: str) -> dict[str, torch.Tensor]:
         """{fp32, exp_avg, exp_avg_sq}: full fp32 tensors. Raises OptimizerStateUnavailable."""
         self._check_optimizer_readable()

@@ -141,6 +141,7 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
             reset_reason = str(e)
     states = _gather(engine.module, source, carry=step is not None)
     {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
+    load_buffers(engine.module, reader)
     # --no-load-optim (Megatron's checkpointing.py): the weights and the iteration, but neither the
     # optimizer nor the LR schedule, which starts again from its first step
     client = {} if cfg.train.finetune or not info.optimizer_state else reader.client_state()
@@ -154,6 +155,19 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
          schedule_kept=not weights_only, rng_restored=rng_restored)
     return {"iteration": client.get("iteration", 0), "consumed_samples": client.get("consumed_samples", 0),
             "wandb_run_id": client.get("wandb_run_id")}
+
+
+@torch.no_grad()
+def load_buffers(module: nn.Module, reader: CheckpointReader) -> None:
+    """Copy the saved persistent buffers (replicated, so the same at every layout) into ``module``;
+    one the checkpoint lacks keeps its initial value (an expert bias starts at zero)."""
+    params = {name for name, _ in module.named_parameters()}
+    buffers = dict(module.named_buffers())
+    for name in module.state_dict():
+        if name not in params and buffers.get(name) is not None:
+            saved = reader.buffer(name)
+            if saved is not None:
+                buffers[name].copy_(saved.to(buffers[name].device, buffers[name].dtype))
 
 
 def _gather(module: nn.Module, source: _Source, *, carry: bool) -> dict:

@@ -170,17 +170,27 @@ class MLP(nn.Module):
 
 
 class MoEMLP(nn.Module):
-    """Routed experts, plus a shared expert that every token also goes through when configured."""
+    """Routed experts, plus a shared expert that every token also goes through when configured,
+    its output scaled by sigmoid(x . g) with ``--moe-shared-expert-gate`` (Qwen2-MoE)."""
 
     def __init__(self, cfg: ModelConfig, plan: ParallelPlan, layer_number: int):
         super().__init__()
         self.moe = plan.moe(cfg, layer_number)
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared = MLP(cfg, plan, shared) if shared else None
+        self.shared_gate = None
+        if cfg.moe_shared_expert_gate:
+            gate = nn.Parameter(torch.empty(1, cfg.hidden_size, device=plan.device, dtype=plan.dtype))
+            self.shared_gate = plan.replicated(gate, init_std=cfg.init_method_std, in_sequence_region=True)
 
     def forward(self, x):
         y = self.moe(x)
-        return y if self.shared is None else y + self.shared(x)
+        if self.shared is None:
+            return y
+        shared = self.shared(x)
+        if self.shared_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(x, self.shared_gate))
+        return y + shared
 
 
 class TransformerLayer(nn.Module):

@@ -10,38 +10,49 @@ all-reduce, or reduce-scatter under SP, of the layer's output). Every TP rank ro
 same tokens the same way, so each sends the same rows to its slice of every expert.
 
 One micro-batch on one rank:
-  1. router on this rank's tokens (its sequence slice under SP): fp32 softmax, top-k,
-     weights renormalised over the chosen k (Mixtral); load-balancing loss and z-loss
-     over the micro-batch's tokens;
-  2. tokens and routing weights enter the TP region as the dense MLP's input does
-     (all-gather under SP, else an identity whose backward sums over TP);
-  3. with a capacity factor, each expert keeps its first assignments (first choices first);
-  4. assignments sorted by expert, counts then tokens exchanged by all-to-all over EP,
-     regrouped by local expert, the experts run as one grouped GEMM, and the way back;
+  1. router on this rank's tokens (its sequence slice under SP): fp32 logits, the score
+     function and top-k of ``moe_routing.route`` (softmax over the chosen k as Mixtral by
+     default; pre-softmax, sigmoid, groups, expert bias, scaling as Megatron's flags say);
+     the balancing loss and z-loss over the micro-batch's tokens (its whole sequences: summed
+     over TP under SP and over CP, whose ranks hold the other slices);
+  2. expert choices and routing weights gathered over TP under SP, tokens entering the TP
+     region as the dense MLP's input does (all-gather under SP, else an identity whose
+     backward sums over TP), so every TP rank holds the micro-batch's assignments;
+  3. with a capacity factor, each expert keeps what the drop policy prefers, decided on the
+     whole micro-batch, so it does not depend on how the tokens were split over ranks;
+  4. ``moe_dispatch``: assignments sorted by expert, exchanged by all-to-all over EP, the
+     experts as one grouped GEMM per matrix, and the way back;
   5. weighted sum per token, then leave the TP region (all-reduce / reduce-scatter).
 
 The auxiliary losses never travel with the activations: ``_AttachAuxLoss`` seeds their
 gradient during backward with the scale DeepSpeed applies to the LM loss (1/GAS), as if
 they had been added to it, so each pipeline stage backpropagates its own layers' aux
 loss and the block interface stays one tensor in, one tensor out (Megatron-core's
-``MoEAuxLossAutoScaler``). Their values are kept in ``stats`` for the log.
+``MoEAuxLossAutoScaler``). Their values are kept in ``stats`` for the log. They are
+computed in the pass whose backward runs: with activation recompute, the recompute.
+
+After each optimizer step ``end_moe_step`` moves the expert biases of auxiliary-loss-free
+balancing (the step's kept assignments, summed over DP x CP) and resets the global balance
+loss's counts.
 
 Gradients: expert parameters are marked as DeepSpeed marks its own (``allreduce =
 False``, ``group_name``) and a parameterless ``DeepSpeedExpertGroups`` module switches on
 DeepSpeed's MoE handling, so DeepSpeed itself reduces expert gradients over the
-expert-data-parallel group (dense ones over DP) and partitions their ZeRO state there.
+expert-data-parallel group (dense ones over DP x CP) and partitions their ZeRO state there.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 from torch import nn
+from torch.profiler import record_function
 
 from .context import sum_over_context_parallel
+from .moe_dispatch import exchange, expert_matmul, permute, unpermute
+from .moe_routing import (RouterOptions, expert_counts, keep_mask, route, scores_for_aux_loss, switch_loss,
+                          updated_expert_bias)
 from .sequence import all_gather_dim0, gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
 from .tensor_parallel import Sharding, copy_to_tensor_parallel, reduce_from_tensor_parallel, scaled_init_std, tag_parameter
@@ -84,24 +95,6 @@ class DeepSpeedExpertGroups(_DeepSpeedMoE):
         raise RuntimeError("DeepSpeedExpertGroups is a marker, not a layer")
 
 
-class _AllToAll(torch.autograd.Function):
-    """Uneven all-to-all over a group; backward sends the gradients back the same way."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_splits, input_splits = ctx.splits
-        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.group)
-        return out, None, None, None
-
-
 class _AttachAuxLoss(torch.autograd.Function):
     """Identity on ``x``; backward also gives ``aux`` the gradient ``scale``, as if ``aux``
     had been added to the loss (which DeepSpeed scales by 1/GAS before backward)."""
@@ -116,63 +109,37 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a contiguous gradient: grouped_mm's backward
-    rejects broadcast (stride-0) gradients."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
-def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
-    """Rows of ``x`` grouped by expert (``counts[e]`` rows each) times ``weight[e]^T``:
-    one grouped GEMM where torch offers it for these shapes, else a loop over experts."""
-    aligned = x.shape[-1] * x.element_size() % 16 == 0 and weight.shape[1] * weight.element_size() % 16 == 0
-    if grouped and aligned and hasattr(F, "grouped_mm") and (x.device.type == "cpu" or x.dtype == torch.bfloat16):
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets))
-    return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts), weight)])
-
-
-def capacity_mask(top_idx: torch.Tensor, num_experts: int, capacity_factor: float) -> torch.Tensor:
-    """[tokens, k] booleans: which assignments the experts keep. Each expert keeps at most
-    ceil(factor x tokens x k / experts): every token's first choice before any second choice,
-    earlier tokens first (GShard's priority). A rule of positions, not of router weights, so
-    near-equal weights cannot make different layouts drop different tokens."""
-    tokens, k = top_idx.shape
-    capacity = math.ceil(capacity_factor * tokens * k / num_experts)
-    expert = top_idx.t().reshape(-1)  # choice-major: all first choices, then all second choices
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=num_experts)
-    first = counts.cumsum(0) - counts
-    place = torch.arange(expert.numel(), device=expert.device) - first[expert[order]]
-    keep = torch.empty_like(expert, dtype=torch.bool)
-    keep[order] = place < capacity
-    return keep.view(k, tokens).t()
-
-
 def _recomputing() -> bool:
     """True inside autograd's backward, i.e. in an activation-recompute forward."""
     return torch._C._current_graph_task_id() != -1
 
 
+
 class RoutingStats:
-    """Detached sums since the last report: assignments per expert (before dropping),
-    dropped and total assignments, weighted aux and z losses, micro-batches."""
+    """Detached sums since the last report: assignments per expert (before dropping), dropped
+    and total assignments and micro-batches (added once per routed micro-batch), weighted
+    balance and z losses (added where they are computed: the pass whose backward runs)."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
         self.totals = None
 
-    def add(self, counts, dropped, assigned: int, aux, z) -> None:
-        scalars = torch.stack([dropped, aux, z]).double()
-        row = torch.cat([counts.double(), scalars[:1], scalars.new_tensor([assigned]), scalars[1:], scalars.new_ones(1)])
-        self.totals = row if self.totals is None else self.totals + row
+    def _row(self, like: torch.Tensor) -> torch.Tensor:
+        if self.totals is None:
+            self.totals = torch.zeros(self.num_experts + 5, dtype=torch.float64, device=like.device)
+        return self.totals
+
+    def add_routing(self, counts: torch.Tensor, dropped: torch.Tensor, assigned: int) -> None:
+        row, e = self._row(counts), self.num_experts  # in place on the device: no host round trip
+        row[:e] += counts
+        row[e] += dropped
+        row[e + 1] += assigned
+        row[e + 4] += 1
+
+    def add_losses(self, aux: torch.Tensor, z: torch.Tensor) -> None:
+        row, e = self._row(aux), self.num_experts
+        row[e + 2] += aux.detach()
+        row[e + 3] += z.detach()
 
     def pop(self, device) -> torch.Tensor:
         """[experts + 5] totals (zeros if nothing was recorded), and start over."""
@@ -182,35 +149,54 @@ class RoutingStats:
 
 
 class Router(nn.Module):
-    """Linear hidden -> expert logits (fp32), replicated over TP."""
+    """Linear hidden -> expert logits (fp32), replicated over TP; with auxiliary-loss-free
+    balancing also the per-expert bias (a checkpointed fp32 buffer, not a parameter: the
+    optimizer never touches it) and the kept assignments counted since its last update."""
 
     def __init__(self, hidden: int, num_experts: int, tp: GroupHandle, sequence_parallel: bool, *, init_std: float,
-                 device=None, dtype=None):
+                 expert_bias: bool = False, device=None, dtype=None):
         super().__init__()
         self.weight = tag_parameter(nn.Parameter(torch.empty(num_experts, hidden, device=device, dtype=dtype)), None, init_std)
         if sequence_parallel:  # each TP rank routes only its sequence slice
             sum_grad_over_tp(self.weight, tp)
+        bias, counts = None, None
+        if expert_bias:
+            bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
+            counts = torch.zeros(num_experts, device=device, dtype=torch.int64)
+        self.register_buffer("expert_bias", bias)
+        self.register_buffer("tokens_since_update", counts, persistent=False)
 
     def forward(self, x):
         return F.linear(x.float(), self.weight.float())  # fp32 logits: top-k and softmax decide routing
+
+    def _apply(self, fn, recurse=True):
+        """Keep the bias in fp32 whatever the module is cast to (its steps are 1e-3)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
 
 
 class MoELayer(nn.Module):
     """Routed experts for [seq, batch, hidden] activations in the sequence region; see the module docstring."""
 
     def __init__(self, cfg, *, layer_number: int, tp: GroupHandle = SINGLE, ep: GroupHandle = SINGLE,
-                 expert_dp: GroupHandle = SINGLE, cp: GroupHandle = SINGLE, sequence_parallel: bool = False, device=None, dtype=None):
+                 expert_dp: GroupHandle = SINGLE, cp: GroupHandle = SINGLE, grad_reduction: GroupHandle = SINGLE,
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         experts, ffn, hidden = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
         if experts % ep.size or ffn % tp.size:
             raise ValueError(f"{experts} experts of width {ffn} do not split over EP {ep.size} x TP {tp.size}")
-        self.layer_number, self.tp, self.ep, self.cp = layer_number, tp, ep, cp
+        self.layer_number, self.tp, self.ep, self.cp, self.grad_reduction = layer_number, tp, ep, cp, grad_reduction
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.num_experts, self.local_experts, self.topk = experts, experts // ep.size, cfg.moe_router_topk
-        self.capacity_factor, self.z_coeff = cfg.moe_capacity_factor, cfg.moe_z_loss_coeff
-        self.aux_coeff = cfg.moe_aux_loss_coeff if cfg.moe_router_load_balancing_type == "aux_loss" else 0.0
+        self.options = RouterOptions.of(cfg)
+        self.capacity_factor, self.drop_policy = cfg.moe_capacity_factor, cfg.moe_token_drop_policy
+        self.balancing = cfg.moe_router_load_balancing_type if cfg.moe_aux_loss_coeff else "none"
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.swiglu, self.grouped = cfg.swiglu, cfg.moe_grouped_gemm
-        self.router = Router(hidden, experts, tp, self.sequence_parallel, init_std=cfg.init_method_std, device=device, dtype=dtype)
+        self.router = Router(hidden, experts, tp, self.sequence_parallel, init_std=cfg.init_method_std,
+                             expert_bias=cfg.moe_router_enable_expert_bias, device=device, dtype=dtype)
         blocks = (ffn, ffn) if cfg.swiglu else (ffn,)  # SwiGLU: [gate; up] in one matrix, each half split over TP
         self.w1 = self._expert_weight((sum(blocks) // tp.size, hidden), Sharding(1, blocks), cfg.init_method_std, device, dtype)
         self.w2 = self._expert_weight((hidden, ffn // tp.size), Sharding(2, (ffn,)),
@@ -218,6 +204,7 @@ class MoELayer(nn.Module):
         self.deepspeed_groups = DeepSpeedExpertGroups(experts, ep, expert_dp)
         self.stats = RoutingStats(experts)
         self.aux_loss_scale = 1.0  # gradient of the aux losses; the trainer sets 1/GAS like DeepSpeed's loss scaling
+        self.global_counts, self.global_micro_batches = None, 0  # global_aux_loss: this step's DP x CP-summed counts so far
 
     def _expert_weight(self, shape, tp_sharding: Sharding, init_std: float, device, dtype) -> nn.Parameter:
         param = tag_parameter(nn.Parameter(torch.empty(self.local_experts, *shape, device=device, dtype=dtype)), tp_sharding, init_std)
@@ -232,80 +219,95 @@ class MoELayer(nn.Module):
     def _leave(self, y):
         return reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, self.tp)
 
+    @property
+    def sequence_share(self) -> int:
+        """How many ranks hold slices of each sequence: TP under SP, times CP."""
+        return (self.tp.size if self.sequence_parallel else 1) * self.cp.size
+
+    def _sum_over_tp(self, x):
+        """A sum over this rank's tokens -> over its CP slice of the micro-batch (SP: the TP ranks hold slices)."""
+        return reduce_from_tensor_parallel(x, self.tp) if self.sequence_parallel else x
+
+    def _sum_over_sequence(self, x):
+        """A sum over this rank's tokens -> over the micro-batch's whole sequences: over TP under SP,
+        then over CP, whose ranks hold the other slices (an all-reduce whose backward is again one:
+        every CP rank then holds the same loss, as DeepSpeed's average over DP x CP expects)."""
+        return sum_over_context_parallel(self._sum_over_tp(x), self.cp)
+
     def forward(self, x):
         s, b, h = x.shape
-        logits = self.router(x).view(-1, self.num_experts)
-        top_logits, top_idx = logits.topk(self.topk, dim=-1)
-        top_weight = top_logits.softmax(-1).view(s, b, self.topk)
-        top_idx = top_idx.view(s, b, self.topk)
+        with_losses = self.training and torch.is_grad_enabled()  # the pass whose backward runs (a recompute's, if any)
+        with record_function("hybridlm.moe.route"):  # names in a --profile-step-range trace
+            logits = self.router(x).view(-1, self.num_experts)
+            weights, index = route(logits, self.options, self.router.expert_bias)
+            if with_losses:
+                aux, z = self._balance_loss(logits, s, b), self._z_loss(logits)
         if self.sequence_parallel:
-            top_idx = all_gather_dim0(top_idx, self.tp)
-        top_idx = top_idx.reshape(-1, self.topk)
-        aux, z, counts = self._aux_losses(logits, top_idx)
+            index = all_gather_dim0(index.view(s, b, self.topk), self.tp)
+        index = index.reshape(-1, self.topk)  # the micro-batch's assignments, on every TP rank
+        weights = self._enter(weights.view(s, b, self.topk)).reshape(-1, self.topk)
         tokens = self._enter(x).reshape(-1, h)
-        weights = self._enter(top_weight).reshape(-1, self.topk)
-        keep = capacity_mask(top_idx, self.num_experts, self.capacity_factor) if self.capacity_factor else None
-        y = self._leave(self._dispatch(tokens, top_idx, weights, keep).view(-1, b, h))
-        if self.training and not _recomputing():
+        keep = None
+        if self.capacity_factor:
+            keep = keep_mask(index, weights.detach(), self.num_experts, self.capacity_factor, self.drop_policy)
+        with record_function("hybridlm.moe.dispatch"):
+            y = self._dispatch(tokens, index, weights, keep)
+        y = self._leave(y.view(-1, b, h))
+        if self.training and not _recomputing():  # once per micro-batch
             dropped = (~keep).sum().float() if keep is not None else torch.zeros((), device=x.device)
-            self.stats.add(counts, dropped, top_idx.numel(), aux.detach(), z.detach())
-        if self.training and torch.is_grad_enabled():
+            self.stats.add_routing(expert_counts(index, self.num_experts), dropped, index.numel())
+            if self.router.expert_bias is not None:
+                self.router.tokens_since_update += expert_counts(index, self.num_experts, keep)
+        if with_losses:
+            self.stats.add_losses(aux, z)
             y = _AttachAuxLoss.apply(y, aux + z, self.aux_loss_scale)
         return y
 
-    def _aux_losses(self, logits, top_idx):
-        """Load-balancing loss E/(T^2 k) x sum_e (probability mass_e x assignments_e) and z-loss
-        mean(logsumexp^2), both over the micro-batch's T tokens (summed over TP under SP, and
-        over CP, whose ranks hold the other slices of the same samples), weighted. Also returns
-        the assignments of this rank's tokens."""
-        prob_mass = logits.softmax(-1).sum(0)
-        lse_squared = logits.logsumexp(-1).square().sum()
-        if self.sequence_parallel:
-            prob_mass = reduce_from_tensor_parallel(prob_mass, self.tp)
-            lse_squared = reduce_from_tensor_parallel(lse_squared, self.tp)
-        counts = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts)
-        tokens, all_counts = top_idx.shape[0], counts
-        if self.cp.size > 1:
-            prob_mass = sum_over_context_parallel(prob_mass, self.cp)
-            lse_squared = sum_over_context_parallel(lse_squared, self.cp)
-            all_counts = counts.clone()
-            dist.all_reduce(all_counts, group=self.cp.group)
-            tokens *= self.cp.size
-        balance = self.num_experts / (tokens * tokens * self.topk) * (prob_mass * all_counts).sum()
-        return self.aux_coeff * balance, self.z_coeff * lse_squared / tokens, counts
+    def _balance_loss(self, logits, s: int, b: int):
+        """--moe-router-load-balancing-type, weighted by --moe-aux-loss-coeff: Switch's E x sum_e P_e f_e
+        over the micro-batch (aux_loss), per sequence and averaged (seq_aux_loss), or with f from the
+        whole data-parallel batch (global_aux_loss). P and f come from the scores and top-k of
+        ``scores_for_aux_loss`` (no expert bias, no groups), as in Megatron."""
+        if self.balancing == "none":
+            return logits.new_zeros(())
+        probs = scores_for_aux_loss(logits, self.options.score_function)
+        chosen = probs.detach().topk(self.topk, dim=-1).indices
+        seq = s * self.sequence_share  # the full sequence length
+        if self.balancing == "seq_aux_loss":
+            mass = self._sum_over_sequence(probs.view(s, b, -1).sum(0))  # [b, experts]
+            sequence = torch.arange(b, device=logits.device).view(1, b, 1).expand(s, b, self.topk)
+            counts = expert_counts(sequence.reshape(-1) * self.num_experts + chosen.reshape(-1), b * self.num_experts)
+            counts = self._sum_over_sequence(counts.view(b, -1))
+            return self.aux_coeff * switch_loss(mass, counts, seq, seq, self.topk).mean()
+        mass = self._sum_over_sequence(probs.sum(0))
+        tokens = seq * b
+        if self.balancing == "global_aux_loss":
+            # f of the whole data-parallel batch: every rank's counts, summed over DP x CP (over TP under SP first)
+            counts = self._sum_over_tp(expert_counts(chosen, self.num_experts)).double()
+            if self.grad_reduction.size > 1:
+                dist.all_reduce(counts, group=self.grad_reduction.group)
+            self.global_counts = counts if self.global_counts is None else self.global_counts + counts
+            self.global_micro_batches += 1
+            samples = self.grad_reduction.size // self.cp.size  # DP: micro-batches of whole sequences in the batch
+            return self.aux_coeff * switch_loss(mass, self.global_counts / self.global_micro_batches, tokens,
+                                                tokens * samples, self.topk).float()
+        counts = self._sum_over_sequence(expert_counts(chosen, self.num_experts))
+        return self.aux_coeff * switch_loss(mass, counts, tokens, tokens, self.topk)
 
-    def _dispatch(self, tokens, top_idx, weights, keep):
+    def _z_loss(self, logits):
+        """Weighted mean of logsumexp^2 over the micro-batch's tokens."""
+        if not self.z_coeff:
+            return logits.new_zeros(())
+        tokens = logits.shape[0] * self.sequence_share
+        return self.z_coeff * self._sum_over_sequence(logits.logsumexp(-1).square().sum()) / tokens
+
+    def _dispatch(self, tokens, index, weights, keep):
         """Each kept (token, expert) assignment through its expert; weighted sum per token (TP-partial)."""
-        expert = top_idx.reshape(-1)
-        token = torch.arange(expert.numel(), device=expert.device) // self.topk
-        weight = weights.reshape(-1)
-        if keep is not None:
-            kept = keep.reshape(-1).nonzero().squeeze(1)
-            expert, token, weight = expert[kept], token[kept], weight[kept]
-        order = torch.argsort(expert, stable=True)
-        token, weight = token[order], weight[order]
-        counts = torch.bincount(expert, minlength=self.num_experts)
-        out = self._exchange(tokens.index_select(0, token), counts)
-        combined = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        combined = combined.index_add(0, token, out.float() * weight.unsqueeze(-1))
-        return combined.to(tokens.dtype)
+        token, weight, counts = permute(index, weights, keep, self.num_experts)
+        rows = exchange(tokens.index_select(0, token), counts, self.ep, self.local_experts, self._experts)
+        return unpermute(rows, token, weight, tokens.shape[0])
 
-    def _exchange(self, x, counts):
-        """Rows sorted by global expert -> this EP rank's experts -> back, in the same order."""
-        if self.ep.size == 1:
-            return self._experts(x, counts.tolist())
-        ep, local = self.ep.size, self.local_experts
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts, group=self.ep.group)  # [source, local expert] counts
-        received = received.view(ep, local)
-        send, recv = counts.view(ep, local).sum(1).tolist(), received.sum(1).tolist()
-        x = _AllToAll.apply(x, recv, send, self.ep.group)
-        segment = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received.reshape(-1), output_size=sum(recv))
-        regroup = torch.argsort((segment % local) * ep + segment // local, stable=True)  # (source, expert) -> (expert, source)
-        y = self._experts(x[regroup], received.sum(0).tolist())
-        return _AllToAll.apply(y[torch.argsort(regroup)], send, recv, self.ep.group)
-
-    def _experts(self, x, counts: list[int]):
+    def _experts(self, x, counts):
         h = expert_matmul(x, self.w1, counts, self.grouped)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
@@ -313,6 +315,33 @@ class MoELayer(nn.Module):
         else:
             h = F.gelu(h, approximate="tanh")
         return expert_matmul(h, self.w2, counts, self.grouped)
+
+    @torch.no_grad()
+    def end_step(self, reduced_counts: torch.Tensor | None, bias_update_rate: float) -> None:
+        """After the optimizer step: the expert bias moves (given the step's counts summed over DP x CP),
+        the global balance loss forgets this step's counts."""
+        if self.router.expert_bias is not None and reduced_counts is not None:
+            self.router.expert_bias.copy_(updated_expert_bias(self.router.expert_bias, reduced_counts, bias_update_rate))
+            self.router.tokens_since_update.zero_()
+        self.global_counts, self.global_micro_batches = None, 0
+
+
+def end_moe_step(model: nn.Module, grad_reduction: GroupHandle, bias_update_rate: float) -> None:
+    """Called once after every optimizer step (every rank): updates the expert biases of
+    auxiliary-loss-free balancing from the step's kept assignments, summed over DP x CP
+    (``ParallelState.grad_reduction``: each DP or CP rank routed other tokens; each TP rank
+    counted its whole micro-batch slice already) in one all-reduce, so every rank holding a
+    layer makes the same update; resets the global balance loss's counts."""
+    layers = moe_layers(model)
+    biased = [layer for layer in layers if layer.router.expert_bias is not None]
+    reduced = {}
+    if biased:
+        counts = torch.stack([layer.router.tokens_since_update for layer in biased])
+        if grad_reduction.size > 1:
+            dist.all_reduce(counts, group=grad_reduction.group)
+        reduced = dict(zip(map(id, biased), counts))
+    for layer in layers:
+        layer.end_step(reduced.get(id(layer)), bias_update_rate)
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

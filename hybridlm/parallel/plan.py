@@ -39,7 +39,7 @@ class _BetweenTPCrossings:
 
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
-                 cp: GroupHandle = SINGLE, cp_comm_type: str = "p2p",
+                 cp: GroupHandle = SINGLE, cp_comm_type: str = "p2p", grad_reduction: GroupHandle = SINGLE,
                  sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
                  local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
                  local_norm_mlp: Callable | None = None,
@@ -52,9 +52,10 @@ class ParallelPlan:
         runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
         (``hybridlm.ops.select_kernels``; default: the PyTorch definitions). ``cp``: the context-parallel
         group, which splits every sample's sequence (``hybridlm.parallel.context``), and ``cp_comm_type``
-        how attention crosses it."""
+        how attention crosses it; ``grad_reduction``: DP x CP (``ParallelState``), over which MoE sums
+        what the whole data-parallel batch routed."""
         self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
-        self.cp, self.cp_comm_type = cp, cp_comm_type
+        self.cp, self.cp_comm_type, self.grad_reduction = cp, cp_comm_type, grad_reduction
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
         self._checkpoint = checkpoint
@@ -102,6 +103,7 @@ class ParallelPlan:
     def moe(self, cfg, layer_number: int) -> MoELayer:
         """Routed experts (router, dispatch over EP, experts split over EP and TP) for one layer."""
         return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp, cp=self.cp,
+                        grad_reduction=self.grad_reduction,
                         sequence_parallel=self.sequence_parallel, device=self.device, dtype=self.dtype)
 
     def attention(self, core: Callable, block_kernel) -> Callable:

@@ -216,7 +216,9 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str
         attention = e * (3 * A + 3 * G) / t
     if cfg.is_moe_layer(layer):
         f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
-        router = 4 * cfg.num_experts * 3  # fp32 logits, probabilities, top-k bookkeeping
+        # fp32 logits, probabilities, top-k bookkeeping; the k rows of each token into and out of the
+        # experts (what the all-to-all carries; full width on every TP rank, balanced routing assumed)
+        router = 4 * cfg.num_experts * 3 + 2 * e * h * cfg.moe_router_topk
     else:
         f, router = cfg.ffn_hidden_size, 0
     mlp = e * (3 if fused else 4) * f / t if cfg.swiglu else e * 2 * f / t

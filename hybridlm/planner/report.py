@@ -36,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="plan the fused RMSNorm/SwiGLU kernels (pretrain --fused-ops all; they keep less than "
                              "PyTorch's, which --fused-ops auto runs on GPUs and CPUs)")
     parser.add_argument("--allow-offload", action="store_true", help="also consider CPU offload (ZeRO-1/3)")
-    parser.add_argument("--allow-ep", action="store_true",
-                        help="MoE: also consider expert parallelism (the trainer cannot --save/--load with EP > 1 yet)")
+    parser.add_argument("--allow-ep", action="store_true", help=argparse.SUPPRESS)  # older command lines: EP is always searched
     parser.add_argument("--top", type=int, default=12, help="rows to print (default 12; the fitting layouts first)")
     return parser
 
@@ -124,8 +123,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory)
     plans = plan(cfg, cluster, micro_batch_size=mbs, global_batch_size=gbs, bf16=not args.fp32,
                  backend=args.attention_backend, fused=args.fused_ops, allow_offload=args.allow_offload,
-                 allow_ep=args.allow_ep or "expert_model_parallel_size" in typed, constrain=constrain,
-                 cp_sizes=[run.parallel.context_parallel_size] if "context_parallel_size" in typed else None)
+                 constrain=constrain, cp_sizes=[run.parallel.context_parallel_size] if "context_parallel_size" in typed else None)
     if not plans:
         print(f"error: no layout of {args.model} divides {args.gpus} GPUs with global batch {gbs} and micro-batch {mbs}"
               f"{' and the layout flags given after --' if constrain else ''}; change --gpus, --global-batch-size or "

@@ -3,10 +3,9 @@
 Candidates: TP in {1, 2, 4, 8} within a node (heads, key/value groups and the MLP width
 divisible by it), PP dividing the layer count, DP what is left, ZeRO 0-3 (2 and 3 only with
 PP = 1, as DeepSpeed's pipeline engine allows), sequence parallelism whenever TP > 1,
-recompute none / selective / full; for MoE models, with ``allow_ep``, EP dividing both the
-experts and DP (off by default: the trainer cannot --save with EP > 1 yet). For sequences of
-``LONG_SEQUENCE`` tokens or more, context parallelism (CP in {2, 4, 8, ...}, TP x CP within a
-node, the sequence divisible by 2 x CP, ring attention) joins the candidates: it divides
+recompute none / selective / full; for MoE models EP dividing both the experts and DP x CP. For
+sequences of ``LONG_SEQUENCE`` tokens or more, context parallelism (CP in {2, 4, 8, ...}, TP x CP
+within a node, the sequence divisible by 2 x CP, ring attention) joins the candidates: it divides
 activations and logits by CP where recompute only trims them.
 
 A layout fits when its planned peak plus headroom (``FRAGMENTATION`` of it for the caching
@@ -24,12 +23,17 @@ predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/
   CP          ring attention sends each layer's local K/V around the ring (CP - 1 hops forward;
               K/V and fp32 dK/dV backward), over NVLink within a node, overlapped with the
               blocks' attention: only what exceeds the attention compute is exposed
-  DP          one gradient reduction per step over the network once DP x CP spans nodes; ZeRO-2
+  DP          one gradient reduction per step over the network once DP x CP spans nodes (expert
+              gradients only over the DP x CP / EP ranks holding the same experts); ZeRO-2
               overlaps half of it with backward (overlap_comm); ZeRO-3 adds its parameter
               gathers (x 1.5) and waits on them
+  EP          per MoE layer and micro-batch, the tokens' k rows to the experts and back, in
+              forward and backward (x 1.5 with full recompute), (EP - 1) / EP of them leaving
+              the GPU, over NVLink while TP x EP fits a node, not overlapped
   offload     optimizer states over PCIe and the CPU's Adam: 16 bytes per parameter at 10 GB/s
 
-At equal memory it thus prefers less TP, fewer pipeline bubbles and less recompute.
+At equal memory it thus prefers less TP, fewer pipeline bubbles and less recompute, and EP
+where the expert memory or gradient reduction it saves outweighs the all-to-all.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from typing import Callable, Iterable, Optional
 
 from ..config import ModelConfig
 from ..training.metrics import attention_core_flops_per_token, flops_per_token
-from .memory import GIB, Breakdown, Layout, estimate, stage_parameters
+from .memory import GIB, Breakdown, Layout, estimate, stage_layers, stage_parameters
 
 FRAGMENTATION = 0.10
 RESERVED_GIB = 2.0
@@ -77,7 +81,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int,
                       bf16: bool = True, recompute: Iterable = (None, "selective", "full"),
                       zero: Iterable[int] = (0, 1, 2, 3), allow_offload: bool = False,
-                      allow_ep: bool = False, cp_sizes: Optional[Iterable[int]] = None) -> list[Layout]:
+                      cp_sizes: Optional[Iterable[int]] = None) -> list[Layout]:
     """Every layout the trainer accepts for this model on ``cluster`` (see the module docstring);
     ``cp_sizes`` replaces the CP sizes considered."""
     out = []
@@ -96,7 +100,7 @@ def candidate_layouts(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: i
             if global_batch_size % (micro_batch_size * dp):
                 continue
             gas = global_batch_size // (micro_batch_size * dp)
-            eps = [ep for ep in _divisors(cfg.num_experts) if dp * cp % ep == 0] if cfg.num_experts and allow_ep else [1]
+            eps = [ep for ep in _divisors(cfg.num_experts) if dp * cp % ep == 0] if cfg.num_experts else [1]
             for ep in eps:
                 for z in zero:
                     if z >= 2 and pp > 1:
@@ -140,13 +144,28 @@ def step_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
     tp_bytes = 4 * 2 * (lay.tp - 1) / lay.tp * local * cfg.hidden_size * e
     tp_time = tp_bytes * layers * lay.grad_accum / (NVLINK_GBPS * 1e9) if lay.tp > 1 else 0.0
     dense, expert = stage_parameters(cfg, lay, 0)
-    data = lay.data  # gradients are reduced over DP x CP
-    dp_bytes = 2 * (data - 1) / data * (dense + expert) * e * (1.5 if lay.zero == 3 else 1.0)
+    data = lay.data  # gradients are reduced over DP x CP, expert ones over the DP x CP / EP ranks holding them
+    expert_dp = data // lay.ep
+    dp_bytes = 2 * ((data - 1) / data * dense + (expert_dp - 1) / expert_dp * expert) * e * (1.5 if lay.zero == 3 else 1.0)
     dp_bw = NETWORK_GBPS if lay.tp * lay.pp < cluster.gpus and cluster.gpus > cluster.gpus_per_node else NVLINK_GBPS
     exposed = 0.5 if lay.zero == 2 else 1.0
     dp_time = dp_bytes * exposed / (dp_bw * 1e9) if data > 1 else 0.0
     offload = 16 * (dense + expert) / (OFFLOAD_GBPS * 1e9) if lay.offload_optimizer else 0.0
-    return compute * (1 + bubble) + tp_time + ring_exposed_seconds(cfg, lay, compute * attention_share) + dp_time + offload
+    return (compute * (1 + bubble) + tp_time + ring_exposed_seconds(cfg, lay, compute * attention_share) + dp_time + offload
+            + all_to_all_seconds(cfg, lay, cluster))
+
+
+def all_to_all_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float:
+    """The EP term of the module docstring, for the stage with the most MoE layers."""
+    if lay.ep == 1 or not cfg.num_experts:
+        return 0.0
+    e = 2 if lay.bf16 else 4
+    moe_layers = max(sum(1 for n in stage if cfg.is_moe_layer(n)) for stage in stage_layers(cfg.num_layers, lay.pp))
+    rows = lay.micro_batch_size * cfg.seq_length / lay.cp * cfg.moe_router_topk  # every TP rank sends its CP slice's
+    passes = 6 if lay.recompute == "full" else 4  # dispatch and combine, forward and backward (and the recompute)
+    volume = passes * rows * cfg.hidden_size * e * (lay.ep - 1) / lay.ep
+    bandwidth = NVLINK_GBPS if lay.tp * lay.ep <= cluster.gpus_per_node else NETWORK_GBPS
+    return volume * moe_layers * lay.grad_accum / (bandwidth * 1e9)
 
 
 def ring_traffic_bytes(cfg: ModelConfig, lay: Layout) -> float:
@@ -168,14 +187,14 @@ def ring_exposed_seconds(cfg: ModelConfig, lay: Layout, attention_seconds: float
 
 
 def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_batch_size: int, bf16: bool = True,
-         backend: str = "cudnn", fused: bool = False, allow_offload: bool = False, allow_ep: bool = False,
+         backend: str = "cudnn", fused: bool = False, allow_offload: bool = False,
          constrain: Optional[Callable[[Layout], Optional[Layout]]] = None, cp_sizes: Optional[Iterable[int]] = None) -> list[Plan]:
     """Every candidate with its memory and step time, the fitting ones first, fastest first.
     ``constrain`` maps a candidate to the layout to plan (e.g. with a JSON's bucket sizes) or
     to None to drop it."""
     plans = []
     for lay in candidate_layouts(cfg, cluster, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                                 bf16=bf16, allow_offload=allow_offload, allow_ep=allow_ep, cp_sizes=cp_sizes):
+                                 bf16=bf16, allow_offload=allow_offload, cp_sizes=cp_sizes):
         if constrain is not None and (lay := constrain(lay)) is None:
             continue
         memory = estimate(cfg, lay, backend=backend, fused=fused)

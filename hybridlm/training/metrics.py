@@ -161,9 +161,17 @@ def _number(value) -> str:
     return f"{value:,}" if isinstance(value, int) else f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4f}"
 
 
+def _load(tokens_per_expert: list[float]) -> str:
+    """Tokens per expert (per step), or with more than 16 experts the busiest and idlest over the mean."""
+    if len(tokens_per_expert) <= 16:
+        return f"[{' '.join(f'{c:.0f}' for c in tokens_per_expert)}]"
+    mean = max(sum(tokens_per_expert) / len(tokens_per_expert), 1e-30)
+    return f"load max {max(tokens_per_expert) / mean:.2f}x min {min(tokens_per_expert) / mean:.2f}x"
+
+
 def _moe_line(moe: dict) -> str:
     """aux/z loss and dropped fraction, then per layer: tokens per expert (per step), dropped, aux."""
-    layers = " | ".join(f"L{n} [{' '.join(f'{c:.0f}' for c in stats['tokens_per_expert'])}] drop {100 * stats['dropped_fraction']:.1f}% "
+    layers = " | ".join(f"L{n} {_load(stats['tokens_per_expert'])} drop {100 * stats['dropped_fraction']:.1f}% "
                         f"aux {stats['aux_loss']:.4f}" for n, stats in moe["layers"].items())
     return (f"    moe | aux loss {moe['aux_loss']:.4f} | z loss {moe['z_loss']:.4f} | dropped {100 * moe['dropped_fraction']:.2f}% "
             f"| tokens/expert: {layers}")

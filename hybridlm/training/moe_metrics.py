@@ -42,3 +42,26 @@ def collect_moe_stats(model: nn.Module, cfg: RunConfig, ps) -> dict | None:
               for i, n in enumerate(numbers)}
     return {"aux_loss": float((aux / micro).sum()), "z_loss": float((z / micro).sum()),
             "dropped_fraction": float(dropped.sum() / assigned.sum().clamp_min(1.0)), "layers": layers}
+
+
+def moe_scalars(moe: dict) -> dict:
+    """The routing statistics as the scalar series W&B and TensorBoard chart: per MoE layer its
+    dropped fraction, balance loss, the busiest expert's load over the mean (1.0 is perfect
+    balance) and each expert's load over the mean."""
+    out = {}
+    for n, layer in moe["layers"].items():
+        load = torch.tensor(layer["tokens_per_expert"], dtype=torch.float64)
+        relative = (load / load.mean().clamp_min(1e-30)).tolist()
+        out.update({f"moe/layer{n}/dropped_fraction": layer["dropped_fraction"], f"moe/layer{n}/aux_loss": layer["aux_loss"],
+                    f"moe/layer{n}/max_load": max(relative)})
+        out.update({f"moe/layer{n}/expert{e}_load": value for e, value in enumerate(relative)})
+    return out
+
+
+def tracker_metrics(record: dict) -> dict:
+    """A logged step's record for W&B/TensorBoard: numbers only (the per-layer table, which holds
+    lists, becomes ``moe_scalars``)."""
+    metrics = {k: v for k, v in record.items() if k not in ("iteration", "time", "moe_layers")}
+    if "moe_layers" in record:
+        metrics.update(moe_scalars({"layers": record["moe_layers"]}))
+    return metrics

@@ -34,7 +34,7 @@ from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalN
 from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
-from ..parallel.moe import set_aux_loss_scale
+from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
@@ -44,7 +44,7 @@ from .ds_config import (adopt_ds_config, check_gradient_accumulation_fusion, fin
                         read_ds_config)
 from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
-from .moe_metrics import collect_moe_stats
+from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
@@ -153,7 +153,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     te_factories = dict(local_matmul=partial(TELocalMatmul, phase=phase), local_norm_matmul=partial(TELocalNormMatmul, phase=phase),
                         local_norm_mlp=partial(TELocalNormMLP, phase=phase)) if te else {}
     plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, cp=ps.cp, cp_comm_type=p.cp_comm_type,
-                        sequence_parallel=p.sequence_parallel, device=device(),
+                        grad_reduction=ps.grad_reduction, sequence_parallel=p.sequence_parallel, device=device(),
                         **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective",
@@ -308,6 +308,8 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
             total += micro_loss.detach().float()
         run.phase.first = None
         loss = mean_over_data_ranks(run, total / run.cfg.gradient_accumulation_steps)
+    if run.cfg.model.num_experts is not None:
+        end_moe_step(engine.module, run.ps.grad_reduction, run.cfg.model.moe_router_bias_update_rate)
     run.iteration += 1
     return loss
 
@@ -390,7 +392,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
                                           grad_norm=float(grad_norm) if grad_norm is not None else None,
                                           step_seconds=(now - started) / (run.iteration - last_logged),
                                           total_iters=t.train_iters, moe=moe, extra=extra))
-                log_all(trackers, {k: v for k, v in records[-1].items() if k not in ("iteration", "time")}, run.iteration)
+                log_all(trackers, tracker_metrics(records[-1]), run.iteration)
                 last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
             collector.collect()
