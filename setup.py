@@ -5,11 +5,12 @@ setup(
     version="0.1.0",
     description="Megatron-style tensor/sequence/pipeline-parallel GPT training inside DeepSpeed, with ZeRO and offload.",
     python_requires=">=3.10",
-    packages=find_packages(include=["hybridlm", "hybridlm.*"]),
+    # the fused kernels' builders and sources sit in the top-level ops/ (DeepSpeed's layout) and install
+    # as hybridlm/ops/op_builder and hybridlm/ops/csrc, beside each other, where the builders look
+    packages=find_packages(include=["hybridlm", "hybridlm.*"]) + ["hybridlm.ops.op_builder", "hybridlm.ops.csrc"],
+    package_dir={"hybridlm.ops.op_builder": "ops/op_builder", "hybridlm.ops.csrc": "ops/csrc"},
     package_data={"hybridlm.data": ["builtin/*.jsonl.gz"],
-                  # the fused kernels' sources (ops/csrc, linked as hybridlm/ops/csrc; find_packages and the
-                  # wheel build follow the links, so hybridlm/ops/op_builder comes too): JIT-built on first use
-                  "hybridlm.ops": ["csrc/*.h", "csrc/cpu/*.cpp", "csrc/cuda/*.h", "csrc/cuda/*.cuh", "csrc/cuda/*.cpp", "csrc/cuda/*.cu"]},
+                  "hybridlm.ops.csrc": ["*.h", "cpu/*.cpp", "cuda/*.h", "cuda/*.cuh", "cuda/*.cpp", "cuda/*.cu"]},
     install_requires=[
         "torch>=2.4",
         "deepspeed>=0.19",  # 0.19.8 tested

@@ -96,8 +96,12 @@ def megatron_args(run, *, iters: int) -> list[str]:
         ("--lr-warmup-iters", min(t.lr_warmup_iters, iters - 1)), ("--weight-decay", t.weight_decay),
         ("--adam-beta1", t.adam_beta1), ("--adam-beta2", t.adam_beta2), ("--clip-grad", t.clip_grad), ("--seed", t.seed),
         ("--train-iters", iters), ("--log-interval", 1), ("--eval-iters", 0),
+        ("--eval-interval", iters),  # Megatron counts evaluation points even when none runs (it divides by this)
         ("--transformer-impl", "transformer_engine"), ("--attention-backend", ATTENTION[m.attention_backend]),
-    ]) + ["--mock-data", "--log-throughput", "--use-distributed-optimizer", "--cross-entropy-loss-fusion", "--manual-gc"]
+    ]) + ["--mock-data", "--log-throughput", "--use-distributed-optimizer", "--cross-entropy-loss-fusion", "--manual-gc",
+          # Megatron's output layer (its own ColumnParallelLinear) needs apex's fused_weight_gradient_mlp_cuda for
+          # gradient-accumulation fusion, and apex is not on the GPU machine; off, so the TE layers do not fuse either
+          "--no-gradient-accumulation-fusion"]
     if m.num_query_groups != m.num_attention_heads:
         args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
     args += ["--swiglu"] if m.swiglu else []

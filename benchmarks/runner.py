@@ -37,8 +37,11 @@ NEEDS = {"te": "transformer_engine", "fa": "flash_attn.cute"}
 
 
 def current_commit() -> str:
-    """This checkout's commit (``-dirty`` with uncommitted changes); on the GPU machine, which gets the
-    tree without .git, the one benchmarks/stage.sh wrote into .device/COMMIT."""
+    """This checkout's commit (``-dirty`` with uncommitted changes). On the GPU machine the tree may come
+    without .git, or with a .git of an older commit than the tree it carries: there the device command
+    sets HYBRIDLM_COMMIT from the .device/COMMIT that benchmarks/stage.sh wrote."""
+    if os.environ.get("HYBRIDLM_COMMIT"):
+        return os.environ["HYBRIDLM_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

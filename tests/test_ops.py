@@ -38,8 +38,9 @@ def kernels():
 
 
 def test_the_package_reaches_the_top_level_sources_and_builders_and_ships_them(monkeypatch):
-    """ops/csrc and ops/op_builder sit beside the package (DeepSpeed's layout); the package's links
-    make the builders importable and the sources found, and setup.py's globs ship every source."""
+    """ops/csrc and ops/op_builder sit beside the package (DeepSpeed's layout): a checkout imports the
+    builders as hybridlm.ops.op_builder through the package's search path, the builders find the
+    sources, setup.py installs both where the builders look, and the tree holds no symbolic link."""
     import glob
     import runpy
     from unittest import mock
@@ -48,17 +49,22 @@ def test_the_package_reaches_the_top_level_sources_and_builders_and_ships_them(m
 
     import hybridlm.ops.op_builder as op_builder
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    assert os.path.realpath(op_builder.__file__).startswith(os.path.join(root, "ops", "op_builder"))
+    assert os.path.abspath(op_builder.__file__).startswith(os.path.join(root, "ops", "op_builder"))
     for device in ("cpu", "cuda"):
         builder = op_builder.builder_for(device)
         assert all(os.path.exists(s) for s in builder.sources()), builder.sources()
+    for folder in ("hybridlm", "ops"):
+        links = [p for p in glob.glob(os.path.join(root, folder, "**"), recursive=True) if os.path.islink(p)]
+        assert not links, f"symbolic links do not travel to every machine: {links}"
     monkeypatch.chdir(root)  # setup.py finds packages from the current directory
     with mock.patch.object(setuptools, "setup") as setup:
         runpy.run_path(os.path.join(root, "setup.py"))
     options = setup.call_args.kwargs
-    assert "hybridlm.ops.op_builder" in options["packages"]
-    shipped = {os.path.realpath(p) for pattern in options["package_data"]["hybridlm.ops"]
-               for p in glob.glob(os.path.join(root, "hybridlm", "ops", pattern))}
+    assert {"hybridlm.ops.op_builder", "hybridlm.ops.csrc"} <= set(options["packages"])
+    installed = options["package_dir"]
+    assert (installed["hybridlm.ops.op_builder"], installed["hybridlm.ops.csrc"]) == ("ops/op_builder", "ops/csrc")
+    shipped = {os.path.realpath(p) for pattern in options["package_data"]["hybridlm.ops.csrc"]
+               for p in glob.glob(os.path.join(root, "ops", "csrc", pattern))}
     sources = {os.path.realpath(p) for p in glob.glob(os.path.join(root, "ops", "csrc", "**", "*.*"), recursive=True)}
     assert sources and sources <= shipped, sorted(sources - shipped)
 

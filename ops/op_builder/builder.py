@@ -1,10 +1,9 @@
 """DeepSpeed op builders for the fused kernels: one extension per device kind.
 
 They live beside the C++/CUDA sources in the top-level ``ops/`` (``ops/op_builder/`` next to
-``ops/csrc/``), as DeepSpeed keeps ``op_builder/`` beside ``csrc/``; the package reaches both
-through the links ``hybridlm/ops/op_builder`` and ``hybridlm/ops/csrc``, which a wheel build
-turns into real folders, so the sources are found the same way from a checkout, an editable
-install and ``pip install .``: beside this folder.
+``ops/csrc/``), as DeepSpeed keeps ``op_builder/`` beside ``csrc/``; a wheel installs both as
+``hybridlm/ops/op_builder`` and ``hybridlm/ops/csrc`` (setup.py's ``package_dir``), so the sources
+are found the same way from a checkout, an editable install and ``pip install .``: beside this folder.
 
 Both subclass DeepSpeed's own builders, so the build goes through the same path as
 DeepSpeed's ops (``OpBuilder.load`` -> ``jit_load`` -> ``torch.utils.cpp_extension.load``,
