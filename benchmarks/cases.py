@@ -8,8 +8,7 @@ model and batch: benchmarks/megatron.py), ``torch`` and ``torch-compile`` (this 
 plain PyTorch module, eager or compiled) and ``hf-zero2`` (Hugging Face Llama under DeepSpeed
 ZeRO-2): hybridlm/training/baselines.py.
 
-Suites group cases (``--suite``). ``post-training`` has no case yet: SFT and DPO are being
-built (issue 21); its cases join here when they exist.
+Suites group cases (``--suite``).
 """
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ SUITES = {
     "kernels": "the fused kernels and attention backends against eager PyTorch and torch.compile",
     "planner": "the memory planner's estimate against the measured peak",
     "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
+    "post-training": "fine-tuning on one GPU: packed SFT beside TRL's SFTTrainer and hybridlm's own pretraining, DPO's reference pass",
     "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
 }
 
@@ -204,6 +204,11 @@ CASES = (
     Case("preprocess", "data", "byte-level BPE 32k on a 220 MB JSONL corpus: bare encoder, preprocess_data.py --workers 1 and 2",
          gpus=0, figures=("MB/s", "M tokens/s", "of bare encode_batch", "peak RSS"), launcher="python",
          script=("benchmarks/preprocess_bench.py", "--size-mb", "220"), peers=("megatron-lm",), expected_s=400, timeout_s=580),
+    # post-training
+    Case("sft-qwen2-1p5b", "post-training", "SFT, Qwen2-1.5B shape, packed rows of 4096, mb 1, bf16", gpus=1,
+         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/TRL", "SFT/pretraining"), launcher="python",
+         script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench"),
+         expected_s=170, timeout_s=560),
     # the test suite's check of the runner
     Case("cpu-tiny", "cpu", "built-in tiny model, 1 rank, ZeRO-0, fp32", model="tiny", gpus=0, steps=2, warmup=1,
          flags=("--deepspeed_config", "ds_configs/zero0.json"), expected_s=30, timeout_s=240),

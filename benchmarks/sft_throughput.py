@@ -27,6 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
+from benchmarks.records import append, script_record  # noqa: E402
+
 SHAPES = {
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
@@ -238,6 +240,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trl-attention", default="auto", help="TRL's attn_implementation (auto: the first of flash_attention_4/3/2, "
                         "sdpa that loads)")
     parser.add_argument("--only", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)} (prepare: only the model and data)")
+    parser.add_argument("--record-file", default=None, help="append one JSON record per run (the benchmark suite's)")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.seq_length = args.seq_length or (256 if args.tiny else 4096)
@@ -261,7 +264,42 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
     print(table(results, args), flush=True)
+    if args.record_file:
+        for record in records_of(results, args, argv if argv is not None else sys.argv[1:]):
+            append(args.record_file, record)
     return 0
+
+
+def records_of(results: dict, args, argv: list[str]) -> list[dict]:
+    """The suite's records of one call: SFT, TRL and pretraining side by side (loss tokens/s, positions/s,
+    peak memory), and DPO's reference pass; a run that failed is a failed record."""
+    shape = "tiny" if args.tiny else "Qwen2-1.5B shape"
+    where = f"{shape}, packed rows of {args.seq_length}, mb {args.micro_batch_size}, {'fp32' if args.tiny else 'bf16'}"
+    sft, trl = results.get("sft") or {}, results.get("trl") or {}
+    runs = {"sft": ("hybridlm", f"SFT, {where}, --packing {args.hybridlm_flags}".strip()),
+            "trl": ("trl", f"SFT, {where}, TRL {trl.get('trl', '')} SFTTrainer packing + padding-free, "
+                           f"{trl.get('attn_implementation', '')}"),
+            "pretrain": ("hybridlm", f"pretraining, {where.replace('packed rows', 'rows')} {args.hybridlm_flags}".strip()),
+            "dpo": ("hybridlm", f"DPO reference pass, {shape}, {args.pairs} pairs")}
+    out = []
+    for stage, (system, label) in runs.items():
+        if stage not in results:
+            continue
+        r = results[stage]
+        figures = {"loss tokens/s": f"{r['loss_tokens_per_sec']:,.0f}" if r.get("loss_tokens_per_sec") else "",
+                   "positions/s": f"{r['positions_per_sec']:,.0f}" if r.get("positions_per_sec") else "",
+                   "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else ""}
+        if stage == "sft" and trl.get("loss_tokens_per_sec") and r.get("loss_tokens_per_sec"):
+            figures["hybridlm/TRL"] = f"{r['loss_tokens_per_sec'] / trl['loss_tokens_per_sec']:.2f}x"
+        pre = results.get("pretrain") or {}
+        if stage == "sft" and pre.get("positions_per_sec") and r.get("positions_per_sec"):
+            figures["SFT/pretraining"] = f"{r['positions_per_sec'] / pre['positions_per_sec']:.3f}"
+        record = script_record("python benchmarks/sft_throughput.py", argv, label, {k: v for k, v in figures.items() if v},
+                               system=system)
+        if not r:
+            record.update(status="failed", error=f"the {stage} run failed (its log: {stage}.log)")
+        out.append(record)
+    return out
 
 
 if __name__ == "__main__":

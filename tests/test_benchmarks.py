@@ -88,7 +88,7 @@ def test_every_case_is_well_formed_and_its_flags_validate():
             assert os.path.exists(os.path.join(ROOT, case.script[0])), case.script[0]
         else:
             runner.run_config(case)  # raises ConfigError on a bad flag or layout
-    assert {c.suite for c in CASES} >= set(SUITES) - {"post-training"}
+    assert {c.suite for c in CASES} >= set(SUITES)
 
 
 def test_megatron_gets_the_cases_model_batch_and_its_best_flags():
