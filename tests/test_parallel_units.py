@@ -65,6 +65,26 @@ def test_vocab_parallel_cross_entropy_equals_full_softmax(tp):
     assert torch.allclose(grad, full.grad, rtol=1e-10, atol=1e-12)
 
 
+def test_bf16_cross_entropy_works_in_place_on_its_own_fp32_copy_and_leaves_the_logits_alone():
+    """At long sequences the fp32 copy of the logits is the step's largest tensor, so the loss shifts,
+    exponentiates and normalises that copy in place; the caller's bf16 logits must stay as they were."""
+    from hybridlm.parallel.state import SINGLE
+    from hybridlm.parallel.tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
+    generator = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(4, 5, 40, generator=generator)).bfloat16().requires_grad_()
+    target = torch.randint(0, 37, (4, 5), generator=generator)
+    target[0, 0] = IGNORE_INDEX
+    before = logits.detach().clone()
+    loss = vocab_parallel_cross_entropy(logits, target, SINGLE, vocab_size=37)
+    loss.sum().backward()
+    assert torch.equal(logits.detach(), before)
+    full = before.float()[..., :37].requires_grad_()
+    want = F.cross_entropy(full.reshape(-1, 37), target.reshape(-1), reduction="none").reshape(4, 5)
+    want.sum().backward()
+    assert torch.allclose(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(logits.grad.float()[..., :37], full.grad, atol=1e-2) and not logits.grad[..., 37:].any()
+
+
 def _full_initial_weights(flags: list[str]) -> dict:
     from hybridlm.config import parse_args
     from hybridlm.model.weights import gather_full_state_dict

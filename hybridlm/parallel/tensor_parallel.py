@@ -221,15 +221,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = min(per_rank, max(0, vocab_size - start))  # this rank's real columns
         ctx.full_shape, ctx.valid = logits.shape, valid
         logits = logits[..., :valid]
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # softmax statistics in fp32 at least
+        owned = logits.dtype in (torch.float16, torch.bfloat16)
+        if owned:  # softmax statistics in fp32 at least, in a copy this function owns and so may overwrite
+            logits = logits.float()
         if valid:
             local_max = logits.max(dim=-1).values
         else:  # a rank holding only padding
             local_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device, dtype=logits.dtype)
         if tp.size > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
-        shifted = logits - local_max.unsqueeze(-1)
+        # In place where the buffer is ours: at long sequences each fp32 copy of the logits is the largest
+        # tensor of the step (262,144 tokens x 32,768 columns = 32 GiB), so shift, exp and softmax share one.
+        shifted = logits.sub_(local_max.unsqueeze(-1)) if owned else logits - local_max.unsqueeze(-1)
         ignored = target == IGNORE_INDEX
         local_target = target - start
         outside = (local_target < 0) | (local_target >= valid) | ignored
@@ -238,7 +241,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         else:
             target_logit = torch.zeros_like(local_max)
-        exp = shifted.exp()
+        exp = shifted.exp_()  # the target logits were gathered above
         sum_exp = exp.sum(dim=-1)
         if tp.size > 1:
             both = torch.stack([target_logit, sum_exp])
