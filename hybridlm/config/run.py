@@ -232,8 +232,12 @@ class RunConfig:
 
     def _check_lora(self) -> None:
         """What the adapters cannot sit beside yet (one refusal each)."""
-        m = self.model
+        m, p = self.model, self.parallel
         refuse_first("--lora-rank", (
+            (p.zero_stage == 3, f"ZeRO stage 3 (from {self.train.deepspeed_config}): it would partition the frozen base as well, "
+             "which the adapters' loading has not been checked with; use ZeRO-1 or 2, which shard the adapters' optimizer state"),
+            (bool(self.posttrain.ref_load), f"--ref-load {self.posttrain.ref_load}: with adapters DPO's reference is the "
+             "loaded base with the adapters switched off; drop --ref-load"),
             (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine (FP8 included): the adapters sit "
              "beside this project's linears, not Transformer Engine's; use --transformer-impl local with --bf16"),
             (m.cuda_graphs, "--cuda-graphs: the captured layers have not been checked with frozen weights and adapters; drop it"),
