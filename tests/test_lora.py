@@ -8,6 +8,8 @@ them (relative 1e-5), the frozen base bit-identical, and the optimizer holding t
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -122,6 +124,12 @@ def test_lora_logits_match_single_process_and_the_merged_hf_export(layout, tmp_p
     with torch.no_grad():
         theirs = model.eval()(_tokens()).logits
     assert (theirs - ours).abs().max().item() < 1e-4
+    # generate.py's decoder (KV cache) on the LoRA checkpoint itself: the same last-position logits
+    from hybridlm.interop.generate import KVCache, load_for_generation
+    from hybridlm.parallel.state import SINGLE
+    generator, cfg, _ = load_for_generation(run_dir, SINGLE, "cpu", torch.float32)
+    cache = KVCache(cfg.num_layers, 2, cfg.num_query_groups, 32, cfg.kv_channels, "cpu", torch.float32)
+    assert (generator.forward_step(_tokens(), cache, 0) - theirs[:, -1]).abs().max().item() < 1e-4
     # the adapters matter: the same export without them (B = 0) is another model
     assert (theirs - ours).abs().max().item() * 100 < (ours - single_base_logits(run_dir)).abs().max().item()
 
@@ -188,3 +196,61 @@ def test_lora_steps_at_tp2_pp2_equal_single_process_and_leave_the_base_untouched
     # ZeRO-1's partitions (and so its fp32 copies and Adam moments) are the adapters', every stage's
     optimized = {n for rank in parallel for n in rank["optimized"]}
     assert optimized == set(adapters)
+
+
+# ---------------------------------------------------------------- fine-tuning (SFT, DPO) from an imported base
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(imported Llama checkpoint, SFT data prefix, preference data prefix)."""
+    from finetune_runs import hf_model_dir, imported, preference_data, sft_data
+    root = tmp_path_factory.mktemp("lora_base")
+    hf = hf_model_dir(root / "hf", "llama")
+    return imported(hf, root / "ckpt"), sft_data(root / "sft", hf), preference_data(root / "pref", hf)
+
+
+def sft_flags(base, load: str, steps: int, save: str | None = None) -> list[str]:
+    from finetune_runs import OPTIM, SEQ, TP2
+    return (["--task", "sft", "--load", load, "--data-path", base[1], "--seq-length", str(SEQ), "--packing", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--train-iters", str(steps)] + LORA + OPTIM + TP2 + (["--save", save] if save else []))
+
+
+def test_lora_sft_resumes_bit_exact_and_keeps_the_imported_base(base, tmp_path):
+    from finetune_runs import finetune
+    from hybridlm.interop.layout import resolve_tag_dir
+    from hybridlm.interop.reader import CheckpointReader
+    from hybridlm.parallel.lora import is_adapter_name
+    straight = run_ranks(2, finetune, sft_flags(base, base[0], 2), 2)[0]
+    run_dir = str(tmp_path / "run")
+    run_ranks(2, finetune, sft_flags(base, base[0], 2, run_dir), 1, (), False, True)
+    resumed = run_ranks(2, finetune, sft_flags(base, run_dir, 2, run_dir), 1)[0]
+    assert resumed["losses"][0] == straight["losses"][1]
+    imported = dict(CheckpointReader(resolve_tag_dir(base[0])).weights())
+    for name, tensor in straight["weights"].items():
+        assert torch.equal(resumed["weights"][name], tensor), f"{name} differs after the resume"
+        if not is_adapter_name(name):
+            assert torch.equal(tensor, imported[name].float()), f"frozen {name} moved"
+
+
+def dpo_reference(flags: list[str], lora_b: bool) -> object:
+    """In each rank: the DPO reference log-probabilities the run computed."""
+    from hybridlm.training.finetune import parse_finetune_args
+    from hybridlm.training.trainer import build_run, prepare_config
+    if lora_b:
+        random_b()
+    cfg, ds = prepare_config(parse_finetune_args(flags))
+    return build_run(cfg, ds).task.reference
+
+
+def test_lora_dpo_reference_is_the_base_with_the_adapters_off(base, tmp_path):
+    # With random non-zero B the policy is not the base; the reference must still be the base's log-probs,
+    # computed by the same engine with its adapters switched off (no --ref-load, no second model).
+    import shutil
+
+    from finetune_runs import OPTIM, TP2
+    data = shutil.copytree(os.path.dirname(base[2]), tmp_path / "data")
+    flags = ["--task", "dpo", "--load", base[0], "--data-path", os.path.join(data, "pref"), "--seq-length", "48",
+             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1"] + OPTIM + TP2
+    plain = run_ranks(2, dpo_reference, flags, False)[0]
+    with_adapters = run_ranks(2, dpo_reference, flags + LORA, True)[0]
+    assert abs(with_adapters - plain).max() <= 1e-6 * abs(plain).max()

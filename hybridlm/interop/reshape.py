@@ -226,7 +226,9 @@ def _into_hp_mapped(optimizer, states: dict, step) -> None:
     lp_groups = optimizer.bit16_groups if hasattr(optimizer, "bit16_groups") else optimizer.bf16_groups
     for group_index, lp_group in enumerate(lp_groups):
         for lp in lp_group:
-            entry = states[lp]
+            entry = states.get(lp)
+            if entry is None:
+                continue  # an adapter the checkpoint lacks: its initial value, already DeepSpeed's master copy
             master = entry["fp32"] if step is not None else entry["weight"].float()
             lp.copy_(master.to(lp.device, lp.dtype))  # what DeepSpeed's step leaves in the low-precision copy
             mapping = lp._hp_mapping
