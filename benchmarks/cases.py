@@ -8,8 +8,8 @@ model and batch: benchmarks/megatron.py), ``torch`` and ``torch-compile`` (this 
 plain PyTorch module, eager or compiled) and ``hf-zero2`` (Hugging Face Llama under DeepSpeed
 ZeRO-2): hybridlm/training/baselines.py.
 
-Suites group cases (``--suite``). ``post-training`` has no case yet: SFT and DPO are being
-built (issue 21); its cases join here when they exist.
+Suites group cases (``--suite``). ``post-training`` holds LoRA against full fine-tuning on one GPU;
+the SFT/DPO throughput against TRL is benchmarks/sft_throughput.py, a script of its own.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ SUITES = {
     "kernels": "the fused kernels and attention backends against eager PyTorch and torch.compile",
     "planner": "the memory planner's estimate against the measured peak",
     "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
+    "post-training": "fine-tuning a llama2-7b shape on one GPU at 4096 tokens a row: LoRA (frozen bf16 base) against full "
+                     "fine-tuning with ZeRO-3 + CPU offload, in the same call",
     "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
 }
 
@@ -73,6 +75,8 @@ SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
 # one sample per step, full recompute: the longest sequences; a case past the memory is a failed record
 LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
 L_LONG = "mb 1, full recompute, ZeRO-1, bf16"
+LORA_7B = ("--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "all-linear")
+SFT_ROWS = ("--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "8")
 PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval", "1", "--lr-warmup-iters", "0")
 PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
 
@@ -184,6 +188,15 @@ CASES = (
     Case("13b-offload", "memory", "1 GPU, ZeRO-3 + CPU offload (params and optimizer), full recompute, seq 2048, mb 1",
          model="llama2-13b", steps=2, warmup=1, flags=("--seq-length", "2048", "--bf16", "--micro-batch-size", "1",
          "--global-batch-size", "1", "--recompute-granularity", "full", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json"),
+         expected_s=500, timeout_s=580),
+    # post-training: the same model, rows and batch; only what trains and where its state lives differ. The rows are
+    # the benchmark's mock documents, 4096 tokens each, as packed SFT rows are full (the loss mask costs nothing).
+    Case("7b-lora-r16", "post-training", "1 GPU, LoRA R 16 alpha 32 on all linears (one adapter per fused weight), frozen bf16 "
+         "base, ZeRO-1 (adapter state only), seq 4096, mb 1, gbs 8", model="llama2-7b", steps=6, warmup=3,
+         flags=BF16 + LORA_7B + SFT_ROWS, expected_s=200, timeout_s=400),
+    Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "
+         "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,
+         flags=("--bf16", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json", "--recompute-granularity", "full") + SFT_ROWS,
          expected_s=500, timeout_s=580),
     # kernels
     Case("kernels", "kernels", "rmsnorm, rope, swiglu at the reference's shapes, bf16: eager, torch.compile, fused",
