@@ -255,3 +255,17 @@ def test_lora_dpo_reference_is_the_base_with_the_adapters_off(base, tmp_path):
     plain = run_ranks(2, dpo_reference, flags, False)[0]
     with_adapters = run_ranks(2, dpo_reference, flags + LORA, True)[0]
     assert abs(with_adapters - plain).max() <= 1e-6 * abs(plain).max()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora-targets", "qkv,gate"], "unknown linear 'gate'"),
+    (["--lora-rank", "-1"], "--lora-rank must be positive"),
+    (["--lora-dropout", "1"], r"--lora-dropout must be in \[0, 1\)"),
+    (["--num-experts", "4"], "adapters on routed experts are not implemented"),
+    (ds_config("zero3"), "ZeRO stage 3"),
+])
+def test_what_lora_cannot_do_is_refused_in_one_sentence_before_any_process_group(flags, message):
+    from hybridlm.config import ConfigError, parse_args
+    from hybridlm.training.trainer import prepare_config
+    with pytest.raises(ConfigError, match=message):
+        prepare_config(parse_args(BASE + LORA + ["--train-iters", "1"] + flags), world_size=1)
