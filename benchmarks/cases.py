@@ -28,7 +28,8 @@ SUITES = {
     "kernels": "the fused kernels and attention backends against eager PyTorch and torch.compile",
     "planner": "the memory planner's estimate against the measured peak",
     "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
-    "post-training": "fine-tuning on one GPU: packed SFT beside TRL's SFTTrainer and hybridlm's own pretraining, DPO's reference pass",
+    "post-training": "fine-tuning on one GPU: packed SFT of a Qwen2-1.5B shape beside TRL's SFTTrainer and hybridlm's own "
+                     "pretraining, DPO's reference pass; LoRA of a llama2-7b shape against full fine-tuning with ZeRO-3 + CPU offload",
     "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
 }
 
@@ -73,6 +74,8 @@ SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
 # one sample per step, full recompute: the longest sequences; a case past the memory is a failed record
 LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
 L_LONG = "mb 1, full recompute, ZeRO-1, bf16"
+LORA_7B = ("--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "all-linear")
+SFT_ROWS = ("--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "8")
 PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval", "1", "--lr-warmup-iters", "0")
 PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
 
@@ -185,6 +188,19 @@ CASES = (
          model="llama2-13b", steps=2, warmup=1, flags=("--seq-length", "2048", "--bf16", "--micro-batch-size", "1",
          "--global-batch-size", "1", "--recompute-granularity", "full", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json"),
          expected_s=500, timeout_s=580),
+    # post-training: the same model, rows and batch; only what trains and where its state lives differ. The rows are
+    # the benchmark's mock documents, 4096 tokens each, as packed SFT rows are full (the loss mask costs nothing).
+    Case("7b-lora-r16", "post-training", "1 GPU, LoRA R 16 alpha 32 on all linears (one adapter per fused weight), frozen bf16 "
+         "base, ZeRO-1 (adapter state only), seq 4096, mb 1, gbs 8", model="llama2-7b", steps=6, warmup=3,
+         flags=BF16 + LORA_7B + SFT_ROWS, expected_s=200, timeout_s=400),
+    Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "
+         "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,
+         flags=("--bf16", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json", "--recompute-granularity", "full") + SFT_ROWS,
+         expected_s=500, timeout_s=580),
+    Case("sft-qwen2-1p5b", "post-training", "SFT, Qwen2-1.5B shape, packed rows of 4096, mb 1, bf16", gpus=1,
+         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/TRL", "SFT/pretraining"), launcher="python",
+         script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench"),
+         expected_s=170, timeout_s=560),
     # kernels
     Case("kernels", "kernels", "rmsnorm, rope, swiglu at the reference's shapes, bf16: eager, torch.compile, fused",
          figures=("fwd", "fwd+bwd"), launcher="python", script=("benchmarks/kernels.py",), expected_s=120),
@@ -204,11 +220,6 @@ CASES = (
     Case("preprocess", "data", "byte-level BPE 32k on a 220 MB JSONL corpus: bare encoder, preprocess_data.py --workers 1 and 2",
          gpus=0, figures=("MB/s", "M tokens/s", "of bare encode_batch", "peak RSS"), launcher="python",
          script=("benchmarks/preprocess_bench.py", "--size-mb", "220"), peers=("megatron-lm",), expected_s=400, timeout_s=580),
-    # post-training
-    Case("sft-qwen2-1p5b", "post-training", "SFT, Qwen2-1.5B shape, packed rows of 4096, mb 1, bf16", gpus=1,
-         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/TRL", "SFT/pretraining"), launcher="python",
-         script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench"),
-         expected_s=170, timeout_s=560),
     # the test suite's check of the runner
     Case("cpu-tiny", "cpu", "built-in tiny model, 1 rank, ZeRO-0, fp32", model="tiny", gpus=0, steps=2, warmup=1,
          flags=("--deepspeed_config", "ds_configs/zero0.json"), expected_s=30, timeout_s=240),

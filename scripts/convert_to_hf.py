@@ -1,6 +1,6 @@
 """Export a hybridlm checkpoint (any TP/PP/DP/EP layout, ZeRO 0-3) to a Hugging Face directory.
 
-    python scripts/convert_to_hf.py --checkpoint runs/x/global_step1000 --output hf_out/ [--dtype bf16]
+    python scripts/convert_to_hf.py --checkpoint runs/x/global_step1000 --output hf_out/ [--dtype bf16] [--merge-lora]
 
 The result loads offline with transformers.AutoModelForCausalLM.from_pretrained(hf_out/):
 LlamaForCausalLM for dense models (Qwen2ForCausalLM with query/key/value biases only),
@@ -23,10 +23,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="Weight dtype (default: the training precision).")
     parser.add_argument("--max-shard-size", default="5GB", help="Largest safetensors shard (default 5GB).")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    parser.add_argument("--merge-lora", action="store_true",
+                        help="A LoRA checkpoint: write W + (alpha/R) B A for each adapted weight, a plain model.")
     args = parser.parse_args(argv)
     try:
         export_to_hf(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                     progress=not args.no_progress)
+                     progress=not args.no_progress, merge_lora=args.merge_lora)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

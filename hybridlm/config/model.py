@@ -12,6 +12,7 @@ FUSED_OPS = ("rmsnorm", "rope", "swiglu")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DROP_POLICIES = ("probs", "position", "choice_then_position")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # attention's QKV and output projection, the MLP's two linears
 
 
 @dataclass
@@ -81,6 +82,10 @@ class ModelConfig:
     moe_token_drop_policy: str = flag("probs", "With --moe-capacity-factor, which assignments an expert keeps: probs (the highest routing weights; Megatron's default), position (the earliest tokens), or choice_then_position (every first choice before any second choice, then the earliest tokens: GShard / DeepSpeed-MoE, hybridlm's rule before this flag).",
                                       choices=DROP_POLICIES)
     moe_shared_expert_gate: bool = flag(False, "Scale the shared expert's output by sigmoid(x . g) with a learned vector g per layer (Qwen2-MoE).")
+    lora_rank: int = flag(0, "LoRA: train rank-R adapters beside the frozen linears instead of the whole model (0: no adapters).")
+    lora_alpha: Optional[float] = flag(None, "LoRA: the adapters' product is scaled by alpha / R, PEFT's rule (default: R, a scale of 1, as PEFT's defaults r = alpha = 8).")
+    lora_dropout: float = flag(0.0, "LoRA: dropout on the adapters' input (PEFT's lora_dropout).")
+    lora_targets: str = flag("all-linear", f"LoRA: the linears that get adapters, a comma list of {', '.join(LORA_TARGETS)}, or all-linear (all of them; never the output layer); one adapter per fused weight (QKV, SwiGLU's gate and up).")
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
     packed_samples: bool = flag(False, "Derived from --packing: rows hold several samples that attention must keep apart.", cli=False)
 
@@ -111,6 +116,8 @@ class ModelConfig:
         if self.num_experts is not None:
             self._check_moe()
         self.fused_op_names()  # refuses an unknown name now, not at model build
+        if self.lora_rank:
+            self._check_lora()
 
     @property
     def graphed_attention_shape(self) -> Optional[tuple[int, int]]:
@@ -130,6 +137,27 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"--fused-ops {self.fused_ops}: unknown kernel {unknown[0]!r} (have: auto, all, none, {', '.join(FUSED_OPS)}).")
         return names
+
+    def lora_target_names(self) -> tuple[str, ...]:
+        """The linears that carry LoRA adapters (none without --lora-rank)."""
+        if not self.lora_rank:
+            return ()
+        if self.lora_targets.strip() == "all-linear":
+            return LORA_TARGETS
+        return tuple(dict.fromkeys(n.strip() for n in self.lora_targets.split(",") if n.strip()))
+
+    def _check_lora(self):
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be positive (0: no adapters), got {self.lora_rank}.")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise ConfigError(f"--lora-alpha must be positive, got {self.lora_alpha}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
+        names = self.lora_target_names()
+        unknown = [n for n in names if n not in LORA_TARGETS]
+        if unknown or not names:
+            raise ConfigError(f"--lora-targets {self.lora_targets}: {f'unknown linear {unknown[0]!r}' if unknown else 'names no linear'} "
+                              f"(have: all-linear, or a comma list of {', '.join(LORA_TARGETS)}).")
 
     def _check_moe(self):
         if self.num_experts < 1:

@@ -83,6 +83,8 @@ class RunConfig:
         if m.torch_compile and ep > 1:
             raise ConfigError(f"--torch-compile cannot be combined with --expert-model-parallel-size {ep} yet: the expert "
                               "all-to-all has not been checked inside compiled layers on NCCL; compile works with EP=1 under TP, DP, PP and ZeRO.")
+        if m.lora_rank:
+            self._check_lora()
         if m.cuda_graphs:
             self._check_cuda_graphs(tp, pp)
         if m.gradient_accumulation_fusion:
@@ -226,6 +228,23 @@ class RunConfig:
             (self.posttrain.packing and p.cp_comm_type != "a2a", f"--packing with --cp-comm-type {p.cp_comm_type}: its "
              "block-wise attention cannot keep packed samples apart; use --cp-comm-type a2a, or drop --packing "
              "(one conversation per row)"),
+        ))
+
+    def _check_lora(self) -> None:
+        """What the adapters cannot sit beside yet (one refusal each)."""
+        m, p = self.model, self.parallel
+        refuse_first("--lora-rank", (
+            (p.zero_stage == 3, f"ZeRO stage 3 (from {self.train.deepspeed_config}): it would partition the frozen base as well, "
+             "which the adapters' loading has not been checked with; use ZeRO-1 or 2, which shard the adapters' optimizer state"),
+            (bool(self.posttrain.ref_load), f"--ref-load {self.posttrain.ref_load}: with adapters DPO's reference is the "
+             "loaded base with the adapters switched off; drop --ref-load"),
+            (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine (FP8 included): the adapters sit "
+             "beside this project's linears, not Transformer Engine's; use --transformer-impl local with --bf16"),
+            (m.cuda_graphs, "--cuda-graphs: the captured layers have not been checked with frozen weights and adapters; drop it"),
+            (m.gradient_accumulation_fusion, "--gradient-accumulation-fusion: it fuses Transformer Engine's weight gradients, "
+             "and a frozen base has none; drop it"),
+            (m.num_experts is not None, "--num-experts: adapters on routed experts are not implemented; train the MoE model "
+             "without --lora-rank (ZeRO-3 with CPU offload fits larger ones)"),
         ))
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:

@@ -23,6 +23,7 @@ import torch
 from ..config import ConfigError
 from .hf_names import HF_CLASSES, export_architecture, hf_config, parameter_rules
 from .layout import resolve_tag_dir
+from .lora import MergedWeights, lora_scale
 from .reader import CheckpointReader
 from .tokenizer_files import write_tokenizer
 
@@ -94,17 +95,24 @@ def check_output(output: str) -> None:
 
 
 def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, max_shard_size: str = "5GB",
-                 progress: bool = True, log: Callable[[str], None] = print) -> dict:
+                 progress: bool = True, log: Callable[[str], None] = print, merge_lora: bool = False) -> dict:
     """Write the Hugging Face directory ``output`` from ``checkpoint`` (a run directory or a
-    global_step folder). Returns a summary (architecture, files, dtype)."""
+    global_step folder). Returns a summary (architecture, files, dtype). A LoRA checkpoint needs
+    ``merge_lora``: its adapters are folded into the weights (``hybridlm.interop.lora``)."""
     max_bytes = parse_size(max_shard_size)
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
     check_output(output)
     reader = CheckpointReader(resolve_tag_dir(checkpoint))
     cfg, layout = reader.model_config, reader.layout
+    if cfg.lora_rank and not merge_lora:
+        raise ConfigError(f"--checkpoint {checkpoint} holds LoRA adapters (rank {cfg.lora_rank}); add --merge-lora to write "
+                          "the merged weights W + (alpha/R) B A as a plain model.")
+    if merge_lora and not cfg.lora_rank:
+        raise ConfigError(f"--merge-lora: --checkpoint {checkpoint} holds no LoRA adapters; drop --merge-lora.")
+    weights = MergedWeights(reader) if merge_lora else reader
     arch = export_architecture(cfg)
-    rules = parameter_rules(arch, cfg, reader.names())
+    rules = parameter_rules(arch, cfg, weights.names())
     if dtype is None:
         dtype = "bf16" if layout.bf16 else "fp16" if layout.fp16 else "fp32"
     torch_dtype = DTYPES[dtype]
@@ -120,9 +128,9 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
     os.makedirs(staging)
     try:
         writer = ShardWriter(staging, max_bytes)
-        for name in _progress(reader.names(), progress, f"export {os.path.basename(reader.tag_dir)}"):
+        for name in _progress(weights.names(), progress, f"export {os.path.basename(reader.tag_dir)}"):
             rule = rules[name]
-            for hf_name, tensor in zip(rule.theirs, rule.split(reader.weight(name))):
+            for hf_name, tensor in zip(rule.theirs, rule.split(weights.weight(name))):
                 writer.add(hf_name, tensor.to(torch_dtype))
         files = writer.close()
         if reader.info.tokenizer_known:
@@ -140,7 +148,8 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(f"exported {reader.tag_dir} ({layout.describe()}, {len(rules)} parameters) to {output} as "
+    merged = f", LoRA adapters merged (scale {lora_scale(cfg):g})" if merge_lora else ""
+    log(f"exported {reader.tag_dir} ({layout.describe()}, {len(rules)} parameters{merged}) to {output} as "
         f"{HF_CLASSES[arch]} in {dtype}{', tied embeddings' if tied else ''}: {', '.join(files)}")
     log(tokenizer_line)
     if chat_line:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError, RunConfig
+from ..parallel.lora import is_adapter_name
 from .layout import CheckpointInfo, Layout, ParamInfo, parameter_table, read_info, vocab_parameters
 from .reader import OPTIMIZER_KEYS, CheckpointReader, OptimizerStateUnavailable
 
@@ -34,7 +35,13 @@ def needs_reshape(tag_dir: str, cfg: RunConfig) -> bool:
     if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
         return False  # saved before layouts were recorded: DeepSpeed's loader, as before
     info = read_info(tag_dir, "--load")
-    return not info.optimizer_state or info.layout != Layout.of_run(cfg)
+    return not info.optimizer_state or info.layout != Layout.of_run(cfg) or adds_adapters(info, cfg)
+
+
+def adds_adapters(info: CheckpointInfo, cfg: RunConfig) -> bool:
+    """Whether this run puts LoRA adapters on a checkpoint saved without them (its base): the base's
+    weights are loaded, the adapters start from the seed, the optimizer from scratch."""
+    return bool(cfg.model.lora_rank) and not info.settings.get("lora_rank")
 
 
 def check_loadable(tag_dir: str, cfg: RunConfig) -> None:
@@ -44,21 +51,26 @@ def check_loadable(tag_dir: str, cfg: RunConfig) -> None:
     info = read_info(tag_dir, "--load")
     saved = parameter_table(info.model_config(), info.layout.tp, info.layout.ep)
     here = parameter_table(cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size)
-    check_same_model(saved, here, vocab_parameters(cfg.model), f"--load {tag_dir}")
+    check_same_model(saved, here, vocab_parameters(cfg.model), f"--load {tag_dir}", adds_adapters(info, cfg))
     if needs_reshape(tag_dir, cfg) and cfg.train.fp16 and cfg.parallel.zero_stage == 0:
         raise ConfigError(f"--load {tag_dir}: saved at {info.layout.describe()}; continuing it at another layout, or with "
                           "--finetune, in fp16 needs ZeRO (stage 1-3): DeepSpeed's fp16 optimizer without ZeRO cannot be filled from another layout.")
 
 
-def check_same_model(saved: dict[str, ParamInfo], here: dict[str, ParamInfo], vocab: set[str], where: str) -> None:
-    """Same parameter names and full shapes (the vocabulary rows may differ by TP padding)."""
-    missing, extra = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
+def check_same_model(saved: dict[str, ParamInfo], here: dict[str, ParamInfo], vocab: set[str], where: str,
+                     new_adapters: bool = False) -> None:
+    """Same parameter names and full shapes (the vocabulary rows may differ by TP padding); with
+    ``new_adapters`` this model's LoRA adapters are not in the checkpoint (they start from the seed)."""
+    missing = sorted(n for n in set(here) - set(saved) if not (new_adapters and is_adapter_name(n)))
+    extra = sorted(set(saved) - set(here))
     if missing or extra:
         name = (missing or extra)[0]
         side = "this model has" if missing else "the checkpoint has"
         raise ConfigError(f"{where} was saved for a different model: {side} parameter {name} and the other does not; "
                           "the model flags must match the checkpoint's config.yaml.")
     for name, info in here.items():
+        if name not in saved:
+            continue
         a, b = saved[name].full_shape, info.full_shape
         if (a[1:] != b[1:]) if name in vocab else (a != b):
             raise ConfigError(f"{where} was saved for a different model: {name} has shape {a} there and {b} here; "
@@ -87,7 +99,7 @@ class _Source:
 
     def __init__(self, reader: CheckpointReader, cfg: RunConfig, ps, tag_dir: str):
         here = parameter_table(cfg.model, ps.tp.size, ps.ep.size)
-        check_same_model(reader.params, here, vocab_parameters(cfg.model), f"--load {tag_dir}")
+        check_same_model(reader.params, here, vocab_parameters(cfg.model), f"--load {tag_dir}", adds_adapters(reader.info, cfg))
         self.reader, self.ps, self.here = reader, ps, here
         self.vocab = vocab_parameters(cfg.model)
 
@@ -123,7 +135,8 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
     reader = CheckpointReader(tag_dir, "--load")
     source = _Source(reader, cfg, ps, tag_dir)
     info: CheckpointInfo = reader.info
-    weights_only = cfg.train.finetune or not info.optimizer_state or not cfg.train.load_optim
+    new_adapters = adds_adapters(info, cfg)
+    weights_only = cfg.train.finetune or not info.optimizer_state or not cfg.train.load_optim or new_adapters
     optimizer, kind = engine.optimizer, optimizer_kind(engine.optimizer)
     if kind not in ("torch", "zero12", "bf16", "zero3"):
         raise ConfigError(f"--load {tag_dir}: reshaping into DeepSpeed's {kind} optimizer is not supported; "
@@ -131,7 +144,7 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
     if getattr(optimizer, "swap_optimizer", False) or getattr(optimizer, "offload_param_nvme", False):
         raise ConfigError(f"--load {tag_dir}: reshaping into a run with NVMe offload is not supported; continue at the "
                           f"saved layout ({info.layout.describe()}) or reshape without NVMe offload first.")
-    reset_reason = ("--finetune" if cfg.train.finetune else "the checkpoint holds weights only" if not info.optimizer_state
+    reset_reason = ("--finetune" if cfg.train.finetune else "the checkpoint has no LoRA adapters" if new_adapters else "the checkpoint holds weights only" if not info.optimizer_state
                     else "--no-load-optim" if weights_only else None)
     step = None
     if reset_reason is None:
@@ -140,6 +153,8 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
         except OptimizerStateUnavailable as e:
             reset_reason = str(e)
     states = _gather(engine.module, source, carry=step is not None)
+    for param in [p for p in states if not p.requires_grad]:  # a frozen base (LoRA) is no optimizer's: copied as it is
+        param.copy_(states.pop(param)["weight"].to(param.device, param.dtype))
     {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
     load_buffers(engine.module, reader)
     # --no-load-optim (Megatron's checkpointing.py): the weights and the iteration, but neither the
@@ -171,11 +186,14 @@ def load_buffers(module: nn.Module, reader: CheckpointReader) -> None:
 
 
 def _gather(module: nn.Module, source: _Source, *, carry: bool) -> dict:
-    """param -> {"weight": local value, and with ``carry`` fp32 / exp_avg / exp_avg_sq}."""
+    """param -> {"weight": local value, and with ``carry`` fp32 / exp_avg / exp_avg_sq} (trainable
+    parameters only); an adapter the checkpoint lacks keeps its initial value."""
     states = {}
     for name, param in module.named_parameters():
+        if name not in source.reader.params:
+            continue
         entry = {"weight": source.weight(name, param)}
-        if carry:
+        if carry and param.requires_grad:
             entry.update(source.optimizer(name, param))
         states[param] = entry
     return states
@@ -208,7 +226,9 @@ def _into_hp_mapped(optimizer, states: dict, step) -> None:
     lp_groups = optimizer.bit16_groups if hasattr(optimizer, "bit16_groups") else optimizer.bf16_groups
     for group_index, lp_group in enumerate(lp_groups):
         for lp in lp_group:
-            entry = states[lp]
+            entry = states.get(lp)
+            if entry is None:
+                continue  # an adapter the checkpoint lacks: its initial value, already DeepSpeed's master copy
             master = entry["fp32"] if step is not None else entry["weight"].float()
             lp.copy_(master.to(lp.device, lp.dtype))  # what DeepSpeed's step leaves in the low-precision copy
             mapping = lp._hp_mapping

@@ -16,6 +16,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
 from ..config import ModelConfig
+from ..parallel.lora import add_adapters
 from ..parallel.plan import ParallelPlan
 from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_output
 
@@ -78,9 +79,13 @@ def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selectiv
     specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
     loss = loss or LMLoss(plan, cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
-        return PipelineModule(layers=specs, loss_fn=loss, topology=topology,
-                              partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
-    return SequentialModel(specs, loss, context=plan.layer_context)
+        model = PipelineModule(layers=specs, loss_fn=loss, topology=topology,
+                               partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
+    else:
+        model = SequentialModel(specs, loss, context=plan.layer_context)
+    if cfg.lora_rank:  # adapters on this stage's target linears, the rest frozen (hybridlm.parallel.lora)
+        add_adapters(model, cfg, plan)
+    return model
 
 
 def local_layers(model: nn.Module) -> list:

@@ -53,18 +53,27 @@ def mark_vocabulary_rows(param: nn.Parameter, vocab_size: int | None) -> None:
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, tp: GroupHandle, ep: GroupHandle = SINGLE) -> None:
     for name, param in model.named_parameters():
-        std, value = getattr(param, "init_std", None), getattr(param, "init_value", None)
-        if std is None and value is None:
-            raise RuntimeError(f"parameter {name} has no initialisation rule (was it created outside the ParallelPlan?)")
-        shape = _full_shape(param, tp, ep)
+        param.copy_(initial_value(name, param, seed, tp, ep))
+
+
+def initial_value(name: str, param: nn.Parameter, seed: int, tp: GroupHandle, ep: GroupHandle = SINGLE) -> torch.Tensor:
+    """This rank's slice of the parameter's initial value (fp32): normal(0, ``init_std``), uniform
+    within +-``init_bound`` (LoRA's A, as Kaiming's), or the constant ``init_value``."""
+    std, bound, value = (getattr(param, key, None) for key in ("init_std", "init_bound", "init_value"))
+    if std is None and bound is None and value is None:
+        raise RuntimeError(f"parameter {name} has no initialisation rule (was it created outside the ParallelPlan?)")
+    shape = _full_shape(param, tp, ep)
+    if std is None and bound is None:
+        full = torch.full(shape, value, device=param.device, dtype=torch.float32)
+    else:
+        generator = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
+        rows = getattr(param, "vocab_rows", None) or shape[0]
+        full = torch.zeros(shape, device=param.device, dtype=torch.float32)
         if std is not None:
-            generator = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
-            rows = getattr(param, "vocab_rows", None) or shape[0]
-            full = torch.zeros(shape, device=param.device, dtype=torch.float32)
             full[:rows].normal_(0.0, std, generator=generator)
         else:
-            full = torch.full(shape, value, device=param.device, dtype=torch.float32)
-        param.copy_(_to_local(param, full, tp, ep))
+            full[:rows].uniform_(-bound, bound, generator=generator)
+    return _to_local(param, full, tp, ep)
 
 
 @torch.no_grad()

@@ -177,10 +177,16 @@ class ParallelPlan:
         return self.split_rng() if self.sequence_parallel else contextlib.nullcontext()
 
     def checkpoint(self, function: Callable, *args):
-        """Recompute ``function`` in backward (DeepSpeed's checkpoint: RNG- and TP-aware)."""
+        """Recompute ``function`` in backward (DeepSpeed's checkpoint: RNG- and TP-aware). A floating input
+        that needs no gradient (a frozen embedding's output under LoRA) is made to need one: the reentrant
+        checkpoint back-propagates into the recomputed region only through inputs that do, so the
+        adapters inside would get no gradient."""
         if self._checkpoint is None:
             from deepspeed import checkpointing
             self._checkpoint = checkpointing.checkpoint
+        if torch.is_grad_enabled():
+            args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
+                         else a for a in args)
         return self._checkpoint(function, *args)
 
 

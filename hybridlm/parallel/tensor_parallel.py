@@ -143,12 +143,14 @@ class ColumnParallelLinear(nn.Module):
                 sum_grad_over_tp(param, tp)
         else:
             self.local_matmul = local_matmul(self.weight, self.bias) if local_matmul else None
+        self.lora = None  # a LoRA adapter (hybridlm.parallel.lora.add_adapters): its term is added to the output
 
     def forward(self, x):
         if self.local_matmul is not None:
             x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tensor_parallel(x, self.tp)
             return self.local_matmul(x)
-        return column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+        y = column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+        return y + self.lora(x) if self.lora is not None and self.lora.enabled else y
 
 
 def column_parallel_matmul(x, weight, bias, tp: GroupHandle, sequence_parallel: bool):
@@ -174,10 +176,13 @@ class RowParallelLinear(nn.Module):
             if sequence_parallel:
                 sum_grad_over_tp(self.bias, tp)
         self.local_matmul = local_matmul(self.weight, None) if local_matmul else None
+        self.lora = None  # a LoRA adapter (hybridlm.parallel.lora.add_adapters): its term is added to the output
 
     def forward(self, x):
         y = self.local_matmul(x) if self.local_matmul is not None else F.linear(x, self.weight)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, self.tp)
+        if self.lora is not None and self.lora.enabled:
+            y = y + self.lora(x)
         return y + self.bias if self.bias is not None else y
 
 

@@ -9,9 +9,14 @@ the policy and reads the sums with each micro-batch. The key hashes what the num
 the reference checkpoint (its folder and every file's size and modification time), the data (its
 index files and sizes), the sequence length, the model settings and the precision, so a later run
 with the same inputs reuses the file and a changed input computes it again.
+
+With LoRA (``--lora-rank``) the reference is the policy's own frozen base: after ``--load`` the
+same engine runs the pairs with its adapters switched off (``adapters_disabled``), so no other
+weights are loaded, then or ever, and a resumed run (whose base has not moved) gets the same numbers.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -29,6 +34,7 @@ from ..data.chat_dataset import DPOPairs
 from ..data.chat_preprocess import mask_prefix
 from ..data.samples import micro_batches
 from ..interop.layout import resolve_tag_dir
+from ..parallel.lora import adapters_disabled
 from .checkpoint import tag_for
 from .distributed import device
 
@@ -76,9 +82,12 @@ def reference_logps(run, task) -> np.ndarray:
         if rank0:
             print(f"dpo reference: log-probabilities of {source} read from {path}", flush=True)
         return np.load(path)
-    _load_weights(run, tag_dir)
+    lora = bool(cfg.model.lora_rank)
+    if not lora:
+        _load_weights(run, tag_dir)
     start = time.perf_counter()
-    values = _forward_all(run, task)
+    with adapters_disabled(run.engine.module) if lora else contextlib.nullcontext():
+        values = _forward_all(run, task)
     task.reference_seconds = time.perf_counter() - start  # the forward passes alone (benchmarks report it)
     if rank0:
         tmp = f"{path}.tmp{os.getpid()}.npy"

@@ -67,6 +67,9 @@ class PretrainTask:
     def prepare(self, run) -> None:
         """After the engine exists, before --load (DPO computes its reference here)."""
 
+    def loaded(self, run) -> None:
+        """After --load (DPO with LoRA computes its reference here: the loaded base, adapters off)."""
+
     def step_batches(self, run, batches: Iterator) -> Iterator:
         """The micro-batches of one optimizer step, as the engine takes them."""
         return itertools.islice(batches, self.cfg.gradient_accumulation_steps)
@@ -187,7 +190,12 @@ class DPOTask(ChatTask):
         return self.pairs, None
 
     def prepare(self, run) -> None:
-        if self.cfg.posttrain.reference == "precompute":
+        if self.cfg.posttrain.reference == "precompute" and not self.cfg.model.lora_rank:
+            from .reference import reference_logps
+            self.reference = reference_logps(run, self)
+
+    def loaded(self, run) -> None:
+        if self.cfg.posttrain.reference == "precompute" and self.cfg.model.lora_rank:
             from .reference import reference_logps
             self.reference = reference_logps(run, self)
 

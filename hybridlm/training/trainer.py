@@ -34,6 +34,7 @@ from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalN
 from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
+from ..parallel.lora import describe_adapters
 from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
@@ -194,6 +195,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
+    task.loaded(run)
     if cfg.model.cuda_graphs:
         capture(run, recipe)
     return run
@@ -350,6 +352,8 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
             print(f"hybridlm: {line}", flush=True)
         if run.task.describe():
             print(f"hybridlm: {run.task.describe()}", flush=True)
+        if cfg.model.lora_rank:
+            print(f"hybridlm: {describe_adapters(run.engine.module, cfg.model)}", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
