@@ -181,6 +181,8 @@ def error_line(code: int, log: str) -> str:
     """The last line of a failed run's log that says what went wrong."""
     if code == 124:
         return "timed out"
+    if "exits with return code = -9" in log:  # the deepspeed launcher's words for a rank that got SIGKILL, no traceback
+        return f"a rank was killed (SIGKILL, no Python error: most often the host's memory ran out) (exit {code})"
     keys = ("Error", "error:", "out of memory", "Traceback")
     lines = [ln.strip() for ln in log.splitlines() if any(k in ln for k in keys)]
     return (lines[-1] if lines else (log.strip().splitlines() or ["no output"])[-1])[:300] + f" (exit {code})"

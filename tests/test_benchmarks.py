@@ -177,3 +177,10 @@ def test_a_call_runs_hybridlm_and_megatron_of_every_case_before_the_other_peers(
     order = [(case.name, system) for case, system in runner.plan([BY_NAME["ref-bf16"], BY_NAME["ref-fp8"]], None, call)]
     assert order == [("ref-bf16", "hybridlm"), ("ref-bf16", "megatron-lm"), ("ref-fp8", "hybridlm"), ("ref-fp8", "megatron-lm"),
                      ("ref-bf16", "torch-compile"), ("ref-bf16", "hf-zero2"), ("ref-bf16", "torch")]
+
+
+def test_a_rank_killed_without_a_traceback_is_reported_as_killed_not_as_the_launchers_last_line():
+    log = ("hybridlm: ParallelState(...) | ZeRO=3\n[INFO] [launch.py:253:sigkill_handler] Killing subprocess 553\n"
+           "[ERROR] [launch.py:259:sigkill_handler] ['python3', 'scripts/benchmark.py'] exits with return code = -9\n")
+    assert runner.error_line(1, log).startswith("a rank was killed (SIGKILL")
+    assert runner.error_line(1, "Traceback\nValueError: bad\n") == "ValueError: bad (exit 1)"
