@@ -17,6 +17,7 @@ import datetime
 import glob
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -181,8 +182,11 @@ def error_line(code: int, log: str) -> str:
     """The last line of a failed run's log that says what went wrong."""
     if code == 124:
         return "timed out"
-    if "exits with return code = -9" in log:  # the deepspeed launcher's words for a rank that got SIGKILL, no traceback
-        return f"a rank was killed (SIGKILL, no Python error: most often the host's memory ran out) (exit {code})"
+    killed = re.search(r"exits with return code = -(\d+)", log)  # the deepspeed launcher's words for a rank a signal ended
+    if killed:
+        name = signal.Signals(int(killed.group(1))).name if int(killed.group(1)) in signal.valid_signals() else f"signal {killed.group(1)}"
+        why = ": most often the host's memory ran out" if name == "SIGKILL" else ""
+        return f"a rank was killed ({name}, no Python error{why}) (exit {code})"
     keys = ("Error", "error:", "out of memory", "Traceback")
     lines = [ln.strip() for ln in log.splitlines() if any(k in ln for k in keys)]
     return (lines[-1] if lines else (log.strip().splitlines() or ["no output"])[-1])[:300] + f" (exit {code})"

@@ -197,6 +197,16 @@ def run_stage(args, stage: str) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def ratios(results: dict) -> tuple[float | None, float | None]:
+    """The issue's two targets: hybridlm SFT / TRL in loss tokens/s, and hybridlm SFT / its own
+    pretraining in positions/s (None where a run is missing)."""
+    sft, trl, pre = (results.get(s) or {} for s in ("sft", "trl", "pretrain"))
+
+    def ratio(a: dict, b: dict, key: str):
+        return a[key] / b[key] if a.get(key) and b.get(key) else None
+    return ratio(sft, trl, "loss_tokens_per_sec"), ratio(sft, pre, "positions_per_sec")
+
+
 def table(results: dict, args) -> str:
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -213,11 +223,11 @@ def table(results: dict, args) -> str:
                 "pretrain": "hybridlm pretraining, same shape and flags"}[stage]
         out.append(f"| {stage} | {number(r.get('loss_tokens_per_sec'))} | {number(r.get('positions_per_sec'))} | "
                    f"{r.get('peak_memory_gib', 0):.1f} | {note} |")
-    sft, trl, pre = (results.get(s) or {} for s in ("sft", "trl", "pretrain"))
-    if sft.get("loss_tokens_per_sec") and trl.get("loss_tokens_per_sec"):
-        out.append(f"hybridlm / TRL, loss tokens/s: {sft['loss_tokens_per_sec'] / trl['loss_tokens_per_sec']:.2f}x (target >= 1.5x)")
-    if sft.get("positions_per_sec") and pre.get("positions_per_sec"):
-        out.append(f"hybridlm SFT / pretraining, positions/s: {sft['positions_per_sec'] / pre['positions_per_sec']:.3f} (target >= 0.9)")
+    versus_trl, versus_pretraining = ratios(results)
+    if versus_trl is not None:
+        out.append(f"hybridlm / TRL, loss tokens/s: {versus_trl:.2f}x (target >= 1.5x)")
+    if versus_pretraining is not None:
+        out.append(f"hybridlm SFT / pretraining, positions/s: {versus_pretraining:.3f} (target >= 0.9)")
     dpo = results.get("dpo") or {}
     if dpo.get("seconds"):
         out.append(f"DPO reference pass: {dpo['pairs']:,} pairs in {dpo['seconds']:.1f} s ({number(dpo['positions_per_sec'])} positions/s)")
@@ -275,7 +285,8 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
     peak memory), and DPO's reference pass; a run that failed is a failed record."""
     shape = "tiny" if args.tiny else "Qwen2-1.5B shape"
     where = f"{shape}, packed rows of {args.seq_length}, mb {args.micro_batch_size}, {'fp32' if args.tiny else 'bf16'}"
-    sft, trl = results.get("sft") or {}, results.get("trl") or {}
+    trl = results.get("trl") or {}
+    versus_trl, versus_pretraining = ratios(results)
     runs = {"sft": ("hybridlm", f"SFT, {where}, --packing {args.hybridlm_flags}".strip()),
             "trl": ("trl", f"SFT, {where}, TRL {trl.get('trl', '')} SFTTrainer packing + padding-free, "
                            f"{trl.get('attn_implementation', '')}"),
@@ -289,11 +300,10 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
         figures = {"loss tokens/s": f"{r['loss_tokens_per_sec']:,.0f}" if r.get("loss_tokens_per_sec") else "",
                    "positions/s": f"{r['positions_per_sec']:,.0f}" if r.get("positions_per_sec") else "",
                    "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else ""}
-        if stage == "sft" and trl.get("loss_tokens_per_sec") and r.get("loss_tokens_per_sec"):
-            figures["hybridlm/TRL"] = f"{r['loss_tokens_per_sec'] / trl['loss_tokens_per_sec']:.2f}x"
-        pre = results.get("pretrain") or {}
-        if stage == "sft" and pre.get("positions_per_sec") and r.get("positions_per_sec"):
-            figures["SFT/pretraining"] = f"{r['positions_per_sec'] / pre['positions_per_sec']:.3f}"
+        if stage == "sft" and versus_trl is not None:
+            figures["hybridlm/TRL"] = f"{versus_trl:.2f}x"
+        if stage == "sft" and versus_pretraining is not None:
+            figures["SFT/pretraining"] = f"{versus_pretraining:.3f}"
         record = script_record("python benchmarks/sft_throughput.py", argv, label, {k: v for k, v in figures.items() if v},
                                system=system)
         if not r:
