@@ -94,6 +94,16 @@ def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference
                 script=("benchmarks/plan_check.py", "--label", label, "--", "--model", model) + PLAN + flags)
 
 
+def _curve(name: str, suite: str, label: str, gpus: int = 0) -> Case:
+    """benchmarks/curves.py's 200-step loss curve of a layout against one rank: the dense (TP x PP x DP) model
+    for the scaling suite, the MoE (EP x DP) one for the moe suite; on ``gpus`` GPUs, or 8 gloo ranks (0)."""
+    kind = "moe" if suite == "moe" else "dense"
+    on_gpus = ("--gpus", str(gpus)) if gpus else ()
+    return Case(name, suite, label, gpus=gpus, figures=("max windowed loss gap",), launcher="python",
+                script=("benchmarks/curves.py", kind) + on_gpus,
+                **(dict(expected_s=500, timeout_s=580) if gpus else dict(expected_s=900, timeout_s=1800)))
+
+
 CASES = (
     # headline: what the README's table shows, with the peers
     Case("ref-bf16", "headline", "1 GPU, ZeRO-1, bf16, gbs 64, --torch-compile, cuDNN attention", flags=COMPILED,
@@ -149,12 +159,8 @@ CASES = (
          "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "3584", "--num-experts", "8", "--moe-router-topk", "2",
          "--moe-aux-loss-coeff", "0.02", "--micro-batch-size", "2", "--expert-model-parallel-size", "4",
          "--global-batch-size", "64") + BF16, peers=("megatron-lm",)),
-    Case("curve-moe-8gpu", "moe", "the same Mixtral-style model, 200 steps at EP=4 x DP=8 against 1 GPU", gpus=8,
-         figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "moe", "--gpus", "8"),
-         expected_s=500, timeout_s=580),
-    Case("curve-moe-cpu", "moe", "tiny model with 8 experts top-2, 200 steps at EP=4 x DP=8 (8 gloo ranks) against 1 rank",
-         gpus=0, figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "moe"),
-         expected_s=900, timeout_s=1800),
+    _curve("curve-moe-8gpu", "moe", "the same Mixtral-style model, 200 steps at EP=4 x DP=8 against 1 GPU", gpus=8),
+    _curve("curve-moe-cpu", "moe", "tiny model with 8 experts top-2, 200 steps at EP=4 x DP=8 (8 gloo ranks) against 1 rank"),
     # several GPUs
     Case("ref-tp2", "scaling", "TP=2 SP, ZeRO-1, bf16", gpus=2, flags=BF16 + ("--tensor-model-parallel-size", "2", "--sequence-parallel"),
          peers=("megatron-lm",)),
@@ -173,12 +179,8 @@ CASES = (
     Case("1p3b-8gpu", "scaling", "reference block d2048 L24 (1.3B), TP=2 SP x PP=2 x DP=2, ZeRO-1, bf16, --torch-compile, gbs 64",
          gpus=8, steps=10, warmup=4, flags=BF16 + ("--num-layers", "24", "--torch-compile", "--tensor-model-parallel-size", "2",
          "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"), peers=("megatron-lm",)),
-    Case("curve-dense-8gpu", "scaling", "the same 1.3B model, 200 steps at TP=2 SP x PP=2 x DP=2 against 1 GPU", gpus=8,
-         figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "dense", "--gpus", "8"),
-         expected_s=500, timeout_s=580),
-    Case("curve-dense-cpu", "scaling", "built-in tiny model, 200 steps at TP=2 SP x PP=2 x DP=2 (8 gloo ranks) against 1 rank",
-         gpus=0, figures=("max windowed loss gap",), launcher="python", script=("benchmarks/curves.py", "dense"),
-         expected_s=900, timeout_s=1800),
+    _curve("curve-dense-8gpu", "scaling", "the same 1.3B model, 200 steps at TP=2 SP x PP=2 x DP=2 against 1 GPU", gpus=8),
+    _curve("curve-dense-cpu", "scaling", "built-in tiny model, 200 steps at TP=2 SP x PP=2 x DP=2 (8 gloo ranks) against 1 rank"),
     # the largest model on one GPU
     Case("7b-nooffload-L30", "memory", "1 GPU, no offload, ZeRO-2, full recompute, seq 2048, mb 1, 30 of 32 layers",
          model="llama2-7b", steps=3, warmup=1, flags=("--num-layers", "30", "--seq-length", "2048", "--bf16",
