@@ -274,10 +274,6 @@ class MathBlockAttention:
         return dq, _fold_heads(dk, k.shape[2]), _fold_heads(dv, k.shape[2])
 
 
-def _bhsd(t):
-    return t.permute(1, 2, 0, 3)
-
-
 def _sbhd(t):
     return t.permute(2, 0, 1, 3)
 
@@ -305,7 +301,7 @@ class TorchFlashBlockAttention(MathBlockAttention):
         if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
             return super().forward(q, k, v, causal)
         k, v = _same_heads(q, k, v)
-        result = torch.ops.aten._scaled_dot_product_flash_attention(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal)
+        result = torch.ops.aten._scaled_dot_product_flash_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), 0.0, causal)
         return _sbhd(result[0]), result[1]
 
     def backward(self, dout, q, k, v, out, lse, causal: bool):
@@ -316,7 +312,7 @@ class TorchFlashBlockAttention(MathBlockAttention):
         # no cumulative sequence lengths (None: not the variable-length kernel), as torch's own
         # ring attention (torch.distributed.tensor.experimental) calls it
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(), None, None, q.shape[0], k.shape[0],
+            _to_bhsd(dout), _to_bhsd(q), _to_bhsd(k), _to_bhsd(v), _to_bhsd(out), lse.contiguous(), None, None, q.shape[0], k.shape[0],
             0.0, causal, _unused_rng(q), _unused_rng(q))
         return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
 
@@ -328,7 +324,7 @@ class CuDNNBlockAttention(MathBlockAttention):
         if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
             return super().forward(q, k, v, causal)
         k, v = _same_heads(q, k, v)
-        result = torch.ops.aten._scaled_dot_product_cudnn_attention(_bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal)
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), None, True, 0.0, causal)
         return _sbhd(result[0]), result[1].reshape(q.shape[1], q.shape[2], q.shape[0]).float()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool):
@@ -339,7 +335,7 @@ class CuDNNBlockAttention(MathBlockAttention):
         # cuDNN wants the output and its gradient in one layout: both [b, s, h, d] in memory
         out_bshd, dout_bshd = out.transpose(0, 1).contiguous(), dout.transpose(0, 1).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout_bshd.transpose(1, 2), _bhsd(q), _bhsd(k), _bhsd(v), out_bshd.transpose(1, 2), lse.unsqueeze(-1).contiguous(),
+            dout_bshd.transpose(1, 2), _to_bhsd(q), _to_bhsd(k), _to_bhsd(v), out_bshd.transpose(1, 2), lse.unsqueeze(-1).contiguous(),
             _unused_rng(q), _unused_rng(q), None, None, None, q.shape[0], k.shape[0], 0.0, causal)
         return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
 
