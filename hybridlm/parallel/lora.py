@@ -102,10 +102,6 @@ def add_adapters(model: nn.Module, cfg, plan) -> int:
     return count
 
 
-def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(name, p) for name, p in model.named_parameters() if is_adapter_name(name)]
-
-
 def is_adapter_name(name: str) -> bool:
     return name.endswith((".lora.a", ".lora.b"))
 
