@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..parallel.lora import is_adapter_name
+from ..parallel.lora import is_adapter_name, lora_alpha
 
 
 def adapter_names(weight_name: str) -> tuple[str, str]:
@@ -20,8 +20,7 @@ def adapter_names(weight_name: str) -> tuple[str, str]:
 
 
 def lora_scale(cfg) -> float:
-    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else float(cfg.lora_rank)
-    return alpha / cfg.lora_rank
+    return lora_alpha(cfg) / cfg.lora_rank
 
 
 class MergedWeights:

@@ -82,12 +82,17 @@ class LoRA(nn.Module):
         return F.linear(h, self.b) * self.scale
 
 
+def lora_alpha(cfg) -> float:
+    """--lora-alpha, or R when not given (a scale of 1)."""
+    return cfg.lora_alpha if cfg.lora_alpha is not None else float(cfg.lora_rank)
+
+
 def add_adapters(model: nn.Module, cfg, plan) -> int:
     """Attach a LoRA adapter to each target linear of this rank's layers (``cfg.lora_target_names()``),
     freeze every other parameter; returns the number of adapters. Before initialisation: the
     adapters' parameters are initialised from the seed by name like the rest."""
     wanted = {TARGET_MODULES[name] for name in cfg.lora_target_names()}
-    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else float(cfg.lora_rank)
+    alpha = lora_alpha(cfg)
     for param in model.parameters():
         param.requires_grad_(False)
     count = 0
@@ -123,7 +128,7 @@ def describe_adapters(model: nn.Module, cfg) -> str:
     """One log line: what is trained, and how much of this rank's model it is."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else float(cfg.lora_rank)
+    alpha = lora_alpha(cfg)
     return (f"LoRA rank {cfg.lora_rank}, alpha {alpha:g} (scale {alpha / cfg.lora_rank:g}), dropout {cfg.lora_dropout:g}, on "
             f"{','.join(cfg.lora_target_names())} (one adapter per fused weight): {trainable:,} trainable parameters of "
             f"{total:,} on this rank ({100.0 * trainable / max(total, 1):.2f}%); the base is frozen and has no optimizer state")
