@@ -111,23 +111,26 @@ class ChatTask(PretrainTask):
         return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file).pad
 
     @staticmethod
-    def global_sum(run, counts: list) -> list:
+    def global_sum(run, counts: list) -> torch.Tensor:
         """``counts`` (device tensors of this rank's micro-batches) summed over the ranks that reduce
-        gradients (DP; DP x CP with context parallelism): one all-reduce and one host read per step."""
+        gradients (DP; DP x CP with context parallelism): one all-reduce per step, left on the device
+        (float64, exact for counts) so that the step does not wait for the host to read it."""
         total = torch.stack([c.to(torch.float64) for c in counts])
         group = run.ps.grad_reduction
         if group.size > 1:
             dist.all_reduce(total, group=group.group)
-        return total.tolist()
+        return total
 
-    def scale(self, run, count: float) -> torch.Tensor:
+    def scale(self, run, count) -> torch.Tensor:
         """What each micro-batch's sum is multiplied by so that DeepSpeed's 1/GAS and its average over
-        the reducing ranks leave sum / ``count`` (losses.py)."""
-        factor = self.cfg.gradient_accumulation_steps * run.ps.grad_reduction.size / max(count, 1.0)
-        return torch.tensor([factor], dtype=torch.float32, device=run.engine.device)
+        the reducing ranks leave sum / ``count`` (losses.py); ``count`` a number or a float64 device tensor."""
+        count = torch.as_tensor(count, dtype=torch.float64, device=run.engine.device)
+        factor = count.new_full((), float(self.cfg.gradient_accumulation_steps * run.ps.grad_reduction.size)) / count.clamp_min(1.0)
+        return factor.to(torch.float32).reshape(1)
 
     def log_values(self, run, seconds: float) -> dict:
-        values = {"loss_tokens": self.last_step_tokens, "loss_tokens_per_sec": self.loss_tokens / max(seconds, 1e-9)}
+        # the counts stay on the device through the steps; read here, after the log's own synchronisation
+        values = {"loss_tokens": int(self.last_step_tokens), "loss_tokens_per_sec": int(self.loss_tokens) / max(seconds, 1e-9)}
         self.loss_tokens = 0
         return values
 
@@ -151,8 +154,8 @@ class SFTTask(ChatTask):
     def step_batches(self, run, batches: Iterator) -> Iterator:
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
         [count] = self.global_sum(run, [sum((labels != IGNORE_INDEX).sum() for _, labels in micro)])
-        self.last_step_tokens = int(count)
-        self.loss_tokens += int(count)
+        self.last_step_tokens = count
+        self.loss_tokens = self.loss_tokens + count
         scale = self.scale(run, count)
         return iter([(inputs, (labels, scale)) for inputs, labels in micro])
 
@@ -172,6 +175,7 @@ class DPOTask(ChatTask):
         self.reference_tag = None  # the checkpoint folder they came from
         self.reference_seconds = None  # how long computing them took (None: read from the cache or not needed)
         self.dpo_loss = None
+        self.pair_scale = None  # the pair loss's scale (losses.py), a constant of the run
 
     def check(self) -> None:
         data = self.chat_data()
@@ -210,9 +214,11 @@ class DPOTask(ChatTask):
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
         chosen, tokens = self.global_sum(run, [sum((labels[: len(ids)] != IGNORE_INDEX).sum() for _, (labels, ids) in micro),
                                                sum((labels != IGNORE_INDEX).sum() for _, (labels, _) in micro)])
-        self.last_step_tokens = int(tokens)
-        self.loss_tokens += int(tokens)
-        pair_scale = self.scale(run, self.cfg.train.global_batch_size)
+        self.last_step_tokens = tokens
+        self.loss_tokens = self.loss_tokens + tokens
+        if self.pair_scale is None:  # the same every step: made once
+            self.pair_scale = self.scale(run, self.cfg.train.global_batch_size)
+        pair_scale = self.pair_scale
         token_scale = self.scale(run, chosen)
         return iter([(rows, (labels, self._reference_rows(ids, labels.device), pair_scale, token_scale))
                      for rows, (labels, ids) in micro])
