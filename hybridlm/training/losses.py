@@ -78,24 +78,24 @@ class DPOLoss:
         self.records: list = []
         self.sums = None
 
-    def row_logps(self, logits, labels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(sum of log-probs of each row's labels [2m], their count [2m], token losses [s, 2m]); under
-        context parallelism the sums and counts are the whole rows', the token losses this rank's."""
+    def row_logps(self, logits, labels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of log-probs of each row's labels [2m], token losses [s, 2m]); under context
+        parallelism the sums are the whole rows', the token losses this rank's."""
         token_loss = self.plan.cross_entropy(logits, labels.t(), self.vocab_size)
-        return (self.plan.sequence_sum(-token_loss.sum(0)), self.plan.sequence_sum((labels != IGNORE_INDEX).sum(-1)),
-                token_loss)
+        return self.plan.sequence_sum(-token_loss.sum(0)), token_loss
 
     def __call__(self, logits, labels):
         if self.recording:
             labels, pair_ids = labels
             with torch.no_grad():
-                sums, _, _ = self.row_logps(logits, labels)
+                sums, _ = self.row_logps(logits, labels)
             m = len(pair_ids)
             self.records.append((pair_ids.cpu(), sums[:m].double().cpu(), sums[m:].double().cpu()))
             return logits.new_zeros((), dtype=torch.float32)
         labels, reference, pair_scale, token_scale = labels
-        logps, counts, token_loss = self.row_logps(logits, labels)
-        if self.kind == "ipo":  # IPO compares per-token means
+        logps, token_loss = self.row_logps(logits, labels)
+        if self.kind == "ipo":  # IPO compares per-token means (the whole rows' counts: a CP collective only IPO needs)
+            counts = self.plan.sequence_sum((labels != IGNORE_INDEX).sum(-1))
             logps, reference = logps / counts, reference / counts
         m = len(logps) // 2
         chosen, rejected = logps[:m] - reference[:m], logps[m:] - reference[m:]
