@@ -18,7 +18,6 @@ import itertools
 import json
 from typing import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -176,6 +175,7 @@ class DPOTask(ChatTask):
         self.reference_seconds = None  # how long computing them took (None: read from the cache or not needed)
         self.dpo_loss = None
         self.pair_scale = None  # the pair loss's scale (losses.py), a constant of the run
+        self.reference_on_device = None  # ``reference`` on the device, made at the first step
 
     def check(self) -> None:
         data = self.chat_data()
@@ -227,9 +227,10 @@ class DPOTask(ChatTask):
         """Reference log-prob sums of a micro-batch's rows: its pairs' chosen, then their rejected."""
         if self.reference is None:
             return torch.zeros(2 * len(pair_ids), dtype=torch.float32, device=device)
-        ids = pair_ids.cpu().numpy()
-        rows = np.concatenate([self.reference[ids, 0], self.reference[ids, 1]])
-        return torch.from_numpy(rows).to(device=device, dtype=torch.float32)
+        if self.reference_on_device is None:  # once: the micro-batch's pair ids are then looked up where they are
+            self.reference_on_device = torch.from_numpy(self.reference).to(device)
+        rows = self.reference_on_device[pair_ids.to(device)]
+        return torch.cat([rows[:, 0], rows[:, 1]]).to(torch.float32)
 
     def log_values(self, run, seconds: float) -> dict:
         sums = self.dpo_loss.take_sums(run.engine.device)
