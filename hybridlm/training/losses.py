@@ -109,7 +109,7 @@ class DPOLoss:
             chosen_reward, rejected_reward = self.beta * chosen, self.beta * rejected
             sums = torch.stack([chosen_reward.sum(), rejected_reward.sum(), (chosen_reward > rejected_reward).float().sum(),
                                 (chosen_reward - rejected_reward).sum(), logps[:m].sum(), logps[m:].sum(),
-                                torch.tensor(float(m), device=logps.device)]).double()
+                                torch.full((), float(m), device=logps.device)]).double()
             self.sums = sums if self.sums is None else self.sums + sums
         return loss
 
