@@ -199,10 +199,12 @@ CASES = (
          "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,
          flags=("--bf16", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json", "--recompute-granularity", "full") + SFT_ROWS,
          expected_s=500, timeout_s=580),
-    Case("sft-qwen2-1p5b", "post-training", "SFT, Qwen2-1.5B shape, packed rows of 4096, mb 1, bf16", gpus=1,
+    Case("sft-qwen2-1p5b", "post-training", "SFT, Qwen2-1.5B shape, packed rows of 4096, mb 1, gbs 16, bf16, torch.compile; "
+         "TRL SFTTrainer beside it", gpus=1,
          figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/TRL", "SFT/pretraining"), launcher="python",
-         script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench"),
-         expected_s=170, timeout_s=560),
+         script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench",
+                 "--hybridlm-flags=--torch-compile"),
+         expected_s=340, timeout_s=580),
     # kernels
     Case("kernels", "kernels", "rmsnorm, rope, swiglu at the reference's shapes, bf16: eager, torch.compile, fused",
          figures=("fwd", "fwd+bwd"), launcher="python", script=("benchmarks/kernels.py",), expected_s=120),

@@ -79,7 +79,7 @@ def prepare(args) -> dict:
 
 def hybridlm_flags(args, paths: dict, task: str) -> list[str]:
     flags = ["--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-             "--global-batch-size", str(args.micro_batch_size), "--train-iters", str(args.warmup + args.steps),
+             "--global-batch-size", str(args.global_batch_size), "--train-iters", str(args.warmup + args.steps),
              "--log-interval", "1", "--lr", "1e-5", "--min-lr", "1e-5", "--lr-warmup-iters", "0",
              "--deepspeed_config", os.path.join(ROOT, "ds_configs", "zero1.json"), "--attention-backend", args.attention]
     flags += [] if args.tiny else ["--bf16"]
@@ -120,6 +120,35 @@ def stage_dpo_reference(args, paths: dict) -> dict:
             "positions_per_sec": rows * args.seq_length / task.reference_seconds if task.reference_seconds else None}
 
 
+TORCH_VARLEN = "torch_varlen"
+
+
+def register_torch_varlen_attention() -> bool:
+    """Give transformers the flash kernel torch carries (flash-attention 2's variable-length kernel,
+    hybridlm's ``varlen_causal_attention``) as attn_implementation ``torch_varlen``, for a machine
+    without the flash-attn package: TRL's padding-free batches then run what its ``flash_attention_2``
+    would (the samples laid end to end, ``cu_seq_lens`` from TRL's collator), not SDPA with a
+    block-diagonal mask. (A name with "flash" in it, transformers would look for on the hub.)
+    False where torch has no such kernel."""
+    import torch
+    from transformers import AttentionInterface
+
+    from hybridlm.model.attention_backends import torch_varlen_available, varlen_causal_attention
+    if not torch_varlen_available():
+        return False
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,
+                  max_length_q=None, **unused):
+        if cu_seq_lens_q is None or attention_mask is not None or dropout:
+            raise ValueError(f"{TORCH_VARLEN} takes padding-free batches (cu_seq_lens_q from the collator), no mask, no dropout")
+        b, heads, s, d = query.shape
+        q, k, v = (t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (query, key, value))
+        out = varlen_causal_attention(q, k, v, cu_seq_lens_q.to(torch.int32), int(max_length_q), scale=scaling)
+        return out.view(b, s, heads, d), None
+    AttentionInterface.register(TORCH_VARLEN, attention)
+    return True
+
+
 def stage_trl(args, paths: dict) -> dict:
     """TRL's SFTTrainer on the same token ids and reply masks: packing (best fit decreasing), padding-free."""
     import torch
@@ -132,9 +161,12 @@ def stage_trl(args, paths: dict) -> dict:
     rows = [{"input_ids": data.tokens[i].tolist(), "completion_mask": data.mask[i].tolist()} for i in range(len(data.tokens))]
     dtype = torch.float32 if args.tiny else torch.bfloat16
     model, implementation = None, None
-    choices = ("flash_attention_4", "flash_attention_3", "flash_attention_2", "sdpa") if args.trl_attention == "auto" else (args.trl_attention,)
+    choices = (("flash_attention_4", "flash_attention_3", "flash_attention_2", TORCH_VARLEN, "sdpa") if args.trl_attention == "auto"
+               else (args.trl_attention,))
     for implementation in choices:
         if implementation != "sdpa" and not torch.cuda.is_available():
+            continue
+        if implementation == TORCH_VARLEN and not register_torch_varlen_attention():
             continue
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(paths["hf"], dtype=dtype, attn_implementation=implementation)
@@ -142,23 +174,28 @@ def stage_trl(args, paths: dict) -> dict:
         except (ImportError, ValueError) as e:
             print(f"trl: attn_implementation={implementation} not available here: {str(e).splitlines()[0][:160]}", flush=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(paths["hf"])
+    accumulation = args.global_batch_size // args.micro_batch_size
     config = SFTConfig(output_dir=os.path.join(args.workdir, "trl"), per_device_train_batch_size=args.micro_batch_size,
-                       max_steps=args.warmup + args.steps, learning_rate=1e-5, lr_scheduler_type="constant", bf16=not args.tiny,
+                       gradient_accumulation_steps=accumulation, max_steps=args.warmup + args.steps, learning_rate=1e-5, lr_scheduler_type="constant", bf16=not args.tiny,
                        packing=True, padding_free=True, max_length=args.seq_length, completion_only_loss=True, logging_steps=10**6,
                        save_strategy="no", report_to=[], dataloader_num_workers=0, gradient_checkpointing=False,
                        optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch", use_cpu=not torch.cuda.is_available())
-    counts, times = [], []
+    counts, ends = [], []
 
     class Timer(transformers.TrainerCallback):
+        """Optimizer step ends; a step's time runs from the previous end, so that it includes
+        fetching and collating its micro-batches, as hybridlm's iteration time does."""
         def on_step_begin(self, *unused, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.start = time.perf_counter()
+            if not ends:
+                ends.append(synchronized_now())
 
         def on_step_end(self, *unused, **kwargs):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.start)
+            ends.append(synchronized_now())
+
+    def synchronized_now():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                          callbacks=[Timer()])
@@ -171,9 +208,10 @@ def stage_trl(args, paths: dict) -> dict:
         return batch
     trainer.data_collator = counting  # the train dataloader is built from it in train()
     trainer.train()
-    seconds = sum(times[args.warmup:])
-    return {"attn_implementation": implementation, "loss_tokens_per_sec": sum(counts[args.warmup:len(times)]) / seconds,
-            "positions_per_sec": sum(positions[args.warmup:len(times)]) / seconds,
+    timed = slice(args.warmup * accumulation, (len(ends) - 1) * accumulation)  # micro-batches of the timed steps
+    seconds = ends[-1] - ends[args.warmup]
+    return {"attn_implementation": implementation, "loss_tokens_per_sec": sum(counts[timed]) / seconds,
+            "positions_per_sec": sum(positions[timed]) / seconds,
             "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0,
             "trl": __import__("trl").__version__, "transformers": transformers.__version__}
 
@@ -181,7 +219,8 @@ def stage_trl(args, paths: dict) -> dict:
 def run_stage(args, stage: str) -> dict:
     """One measurement in a process of its own: fresh GPU memory, no state shared between frameworks."""
     command = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", args.out, "--workdir", args.workdir,
-               "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size), "--steps", str(args.steps),
+               "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
+               "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--samples", str(args.samples), "--pairs", str(args.pairs),
                "--attention", args.attention, f"--hybridlm-flags={args.hybridlm_flags}", "--trl-attention", args.trl_attention]
     command += ["--tiny"] if args.tiny else []
@@ -211,7 +250,7 @@ def table(results: dict, args) -> str:
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     out = [f"SFT throughput, {'tiny' if args.tiny else 'Qwen2-1.5B shape'}, rows of {args.seq_length}, micro-batch "
-           f"{args.micro_batch_size}, {device}, {time.strftime('%Y-%m-%d')}",
+           f"{args.micro_batch_size}, global batch {args.global_batch_size}, {device}, {time.strftime('%Y-%m-%d')}",
            "| run | loss tokens/s | positions/s | peak GiB | note |", "|---|---|---|---|---|"]
 
     def number(value):
@@ -241,19 +280,24 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on whatever device (CPU smoke test)")
     parser.add_argument("--seq-length", type=int, default=None, help="row length (default 4096; tiny 256)")
     parser.add_argument("--micro-batch-size", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--global-batch-size", type=int, default=16, help="rows per optimizer step, both frameworks (TRL: "
+                        "gradient accumulation); 16 is ms-swift's Megatron default")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--samples", type=int, default=600, help="conversations in the SFT data")
     parser.add_argument("--pairs", type=int, default=256, help="preference pairs for the DPO reference pass")
     parser.add_argument("--attention", default="auto", help="hybridlm's --attention-backend (auto: flash-attn when installed)")
     parser.add_argument("--hybridlm-flags", default="", help="more flags for both hybridlm runs, given with '=', e.g. --hybridlm-flags=--torch-compile")
     parser.add_argument("--trl-attention", default="auto", help="TRL's attn_implementation (auto: the first of flash_attention_4/3/2, "
+                        f"{TORCH_VARLEN} (torch's own flash varlen kernel), "
                         "sdpa that loads)")
     parser.add_argument("--only", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)} (prepare: only the model and data)")
     parser.add_argument("--record-file", default=None, help="append one JSON record per run (the benchmark suite's)")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.seq_length = args.seq_length or (256 if args.tiny else 4096)
+    if args.global_batch_size % args.micro_batch_size:
+        parser.error(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size {args.micro_batch_size}.")
     args.workdir = args.workdir or os.path.join(args.out, "work")
     os.makedirs(args.out, exist_ok=True)
     if args.stage:
@@ -284,7 +328,8 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
     """The suite's records of one call: SFT, TRL and pretraining side by side (loss tokens/s, positions/s,
     peak memory), and DPO's reference pass; a run that failed is a failed record."""
     shape = "tiny" if args.tiny else "Qwen2-1.5B shape"
-    where = f"{shape}, packed rows of {args.seq_length}, mb {args.micro_batch_size}, {'fp32' if args.tiny else 'bf16'}"
+    where = (f"{shape}, packed rows of {args.seq_length}, mb {args.micro_batch_size} gbs {args.global_batch_size}, "
+             f"{'fp32' if args.tiny else 'bf16'}")
     trl = results.get("trl") or {}
     versus_trl, versus_pretraining = ratios(results)
     runs = {"sft": ("hybridlm", f"SFT, {where}, --packing {args.hybridlm_flags}".strip()),

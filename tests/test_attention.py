@@ -144,10 +144,18 @@ def packed_positions(lengths_per_row: list[list[int]], device="cpu") -> torch.Te
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths_per_row]).to(device)
 
 
-def check_packed_against_reference(core, lengths_per_row, *, heads, groups, d, dtype, device, tol):
+def check_packed_against_reference(core, lengths_per_row, *, heads, groups, d, dtype, device, tol, starts_from_host=False):
     """Each sample of a packed row must get exactly its own causal attention: the reference runs
-    every sample alone."""
-    positions = packed_positions(lengths_per_row, device)
+    every sample alone. ``starts_from_host``: the ids reach the device as the data path sends them,
+    with their sample starts found on the host."""
+    if starts_from_host:
+        from hybridlm.data.samples import tensor_to_device
+        from hybridlm.model.attention_backends import sample_starts
+        positions = packed_positions(lengths_per_row)
+        sample_starts(positions)
+        positions = tensor_to_device(positions, device)
+    else:
+        positions = packed_positions(lengths_per_row, device)
     b, s = positions.shape
     q = torch.randn(s, b, heads, d, dtype=dtype, device=device, requires_grad=True)
     k = torch.randn(s, b, groups, d, dtype=dtype, device=device, requires_grad=True)
@@ -196,3 +204,52 @@ def test_gpu_packed_attention_keeps_samples_apart_in_bf16(backend):
     core = make_attention_core(backend, heads=8, groups=2, head_dim=128, dropout=0.0)
     rows = [[100, 1, 200, 56], [300, 57]]
     check_packed_against_reference(core, rows, heads=8, groups=2, d=128, dtype=torch.bfloat16, device="cuda", tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("groups", [8, 2, 1])
+def test_gpu_sdpa_packs_through_torchs_variable_length_kernel_never_a_mask(groups, monkeypatch):
+    # The block-diagonal mask costs a whole causal row per packed row; on a GPU in bf16 the sdpa
+    # core must take torch's variable-length kernel instead (the mask builder is made to fail),
+    # with grouped KV heads as they are, and still keep every sample apart.
+    import hybridlm.model.attention_backends as backends
+    if not backends.torch_varlen_available():
+        pytest.skip("torch.nn.attention.varlen is not in this torch (2.10 or newer has it)")
+
+    def no_mask(positions):
+        raise AssertionError("the packed bf16 path built a block-diagonal mask")
+    monkeypatch.setattr(backends, "packed_causal_mask", no_mask)
+    core = make_attention_core("sdpa", heads=8, groups=groups, head_dim=128, dropout=0.0)
+    rows = [[700, 1, 300, 23], [1024]]
+    check_packed_against_reference(core, rows, heads=8, groups=groups, d=128, dtype=torch.bfloat16, device="cuda", tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+def test_gpu_packed_fp32_and_dropout_fall_back_to_the_mask(monkeypatch):
+    # The variable-length kernel is half precision without dropout; other inputs must still be
+    # computed (by SDPA with the mask), not refused or silently unmasked.
+    import hybridlm.model.attention_backends as backends
+    used = []
+    real = backends.packed_causal_mask
+    monkeypatch.setattr(backends, "packed_causal_mask", lambda positions: used.append(1) or real(positions))
+    core = make_attention_core("sdpa", heads=4, groups=2, head_dim=32, dropout=0.0)
+    check_packed_against_reference(core, [[40, 1, 23], [64]], heads=4, groups=2, d=32, dtype=torch.float32, device="cuda", tol=1e-4)
+    assert used, "fp32 packed rows must take the masked SDPA path"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+def test_gpu_packed_attention_compiles_to_one_graph_when_the_ids_bring_their_sample_starts():
+    # With the starts found on the host, nothing in the packed path reads the device back, so a
+    # compiled layer need not break its graph around attention (fullgraph=True fails on any break);
+    # a new number of samples per row is not a new graph either.
+    import hybridlm.model.attention_backends as backends
+    if not backends.torch_varlen_available():
+        pytest.skip("torch.nn.attention.varlen is not in this torch (2.10 or newer has it)")
+    torch._dynamo.reset()
+    compiled = torch.compile(make_attention_core("sdpa", heads=8, groups=2, head_dim=128, dropout=0.0), fullgraph=True)
+    for rows in ([[700, 1, 300, 23], [1024]], [[100, 200, 300, 424], [512, 512]]):
+        check_packed_against_reference(compiled, rows, heads=8, groups=2, d=128, dtype=torch.bfloat16, device="cuda",
+                                       tol=1e-2, starts_from_host=True)

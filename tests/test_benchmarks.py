@@ -192,7 +192,7 @@ def test_sft_records_carry_both_targets_ratios_and_a_failed_run_stays_a_failed_r
     results = {"sft": {"loss_tokens_per_sec": 900.0, "positions_per_sec": 2000.0, "peak_memory_gib": 3.0},
                "trl": {"loss_tokens_per_sec": 600.0, "positions_per_sec": 1900.0, "trl": "1.16.0", "attn_implementation": "sdpa"},
                "pretrain": {}}
-    args = argparse.Namespace(tiny=True, seq_length=256, micro_batch_size=1, hybridlm_flags="", pairs=8)
+    args = argparse.Namespace(tiny=True, seq_length=256, micro_batch_size=1, global_batch_size=4, hybridlm_flags="", pairs=8)
     records = {r["system"] + ":" + r["label"].split(",")[0]: r for r in sft_throughput.records_of(results, args, ["--tiny"])}
     sft = records["hybridlm:SFT"]
     assert sft["figures"]["hybridlm/TRL"] == "1.50x" and "SFT/pretraining" not in sft["figures"]

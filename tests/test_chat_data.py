@@ -7,6 +7,7 @@ import os
 import random
 
 import numpy as np
+import torch
 import pytest
 
 from chat_fixtures import KINDS, hf_tokenizer, random_conversation, tokenizer_dir, write_jsonl
@@ -197,3 +198,24 @@ def test_best_fit_packing_fills_rows_as_the_quadratic_definition_does():
             else:
                 want.append(size)
         assert loads == sorted(want)
+
+
+def test_packed_rows_carry_their_sample_starts_from_the_host(tmp_path, tokenizers):
+    # The variable-length attention needs where each sample begins; the packer gives it with the
+    # position ids (computed on the host), so the model does not read the device back to find it.
+    from hybridlm.data.chat_dataset import ChatData, SFTRows
+    from hybridlm.data.samples import micro_batches
+    from hybridlm.model.attention_backends import SAMPLE_STARTS, sample_starts
+    rng = np.random.RandomState(3)
+    conversations = [{"messages": [{"role": "user", "content": " ".join(["a"] * rng.randint(1, 20))},
+                                   {"role": "assistant", "content": " ".join(["b"] * rng.randint(1, 20))}]} for _ in range(40)]
+    _preprocess(tmp_path, tokenizers["chatml"], conversations)
+    rows = SFTRows(ChatData(str(tmp_path / "out" / "chat")), 128, seed=1, pad=0, packing=True)
+    (tokens, positions), labels = next(micro_batches(rows, micro_batch_size=2, global_batch_size=2, dp_rank=0, dp_size=1,
+                                                     device="cpu"))
+    given = getattr(positions, SAMPLE_STARTS)
+    flat = positions.reshape(-1)
+    want = torch.tensor([i for i in range(flat.numel()) if flat[i] == 0] + [flat.numel()], dtype=torch.int32)
+    assert torch.equal(given, want) and given.dtype == torch.int32
+    fresh = positions.clone()  # ids without them (a pipeline stage's received copy) find the same starts
+    assert not hasattr(fresh, SAMPLE_STARTS) and torch.equal(sample_starts(fresh), want)

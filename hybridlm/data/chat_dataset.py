@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
+from ..model.attention_backends import sample_starts
 from ..parallel.tensor_parallel import IGNORE_INDEX
 from .chat_preprocess import MANIFEST_FORMAT, manifest_path, mask_prefix
 from .indexed import IndexedDataset
@@ -171,7 +172,10 @@ class SFTRows:
                 ids, mask = self.data.sample(doc, self.seq_length + 1)
                 offset += place(r, offset, ids, mask, tokens, labels, positions)
         tokens, labels, positions = (torch.from_numpy(a) for a in (tokens, labels, positions))
-        return ((tokens, positions) if self.packing else tokens), labels
+        if not self.packing:
+            return tokens, labels
+        sample_starts(positions)  # found here, on the host, they travel with the ids (samples.to_device)
+        return (tokens, positions), labels
 
 
 class DPOPairs:

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from ..model.attention_backends import SAMPLE_STARTS
 from ..parallel.context import slice_for_rank
 
 
@@ -59,7 +60,14 @@ def tensor_to_device(t: torch.Tensor, device) -> torch.Tensor:
     previous micro-batch's backward) and blocks the host meanwhile: a full synchronisation per
     micro-batch, after which the GPU idles while the host launches the next forward's first
     kernels. From pinned memory the copy is queued behind that work like a kernel (the FP8
-    reference model on one H200: 114,981 vs 111,134 tok/s, benchmarks/RESULTS.md)."""
+    reference model on one H200: 114,981 vs 111,134 tok/s, benchmarks/RESULTS.md). Packed
+    position ids take their host-computed sample starts along (``attention_backends.sample_starts``),
+    which the model would otherwise find with a read-back of its own."""
     if device is None or torch.device(device).type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    out = t.pin_memory().to(device, non_blocking=True)
+    starts = getattr(t, SAMPLE_STARTS, None)  # packed position ids: their sample starts go along
+    if starts is not None:
+        setattr(out, SAMPLE_STARTS, tensor_to_device(starts, device))
+        torch._dynamo.maybe_mark_dynamic(getattr(out, SAMPLE_STARTS), 0)
+    return out

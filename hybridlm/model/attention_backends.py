@@ -5,7 +5,8 @@ is a multiple of groups; the layout the QKV projection produces, so no backend f
 copy on the others) and returns [s, b, heads, d]. With ``position_ids`` [b, s] (packed
 samples: positions restart at 0 where a sample begins) no query sees another sample's keys.
 
-  sdpa   torch's scaled_dot_product_attention, whichever kernel torch picks (CPU: math)
+  sdpa   torch's scaled_dot_product_attention, whichever kernel torch picks (CPU: math);
+         packed rows on a GPU in half precision: torch's variable-length flash kernel
   cudnn  the same call pinned to cuDNN's fused attention (Hopper: ~1.8x torch's default
          flash kernel on fwd+bwd at B4 H16 S4096 D128)
   flash  flash-attn: the 2.x ``flash_attn_func`` or flash-attn-4's CuTe kernels (SDPA in fp32,
@@ -18,6 +19,7 @@ package is one sentence, not a stack trace from inside the first forward.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Callable, Optional
 
@@ -41,19 +43,88 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+SAMPLE_STARTS = "_cu_seqlens"  # the attribute of a position-ids tensor that holds its sample starts
+
+
 def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     """int32 cumulative sample lengths of the rows laid end to end (flash-attn's ``cu_seqlens``).
 
-    Finding them reads the device (a host sync), so the result is kept on the position ids
-    tensor, which every layer of a pipeline stage receives unchanged: one sync per stage and
-    micro-batch rather than one per layer."""
-    cached = getattr(position_ids, "_cu_seqlens", None)
+    Kept on the position ids tensor (attribute ``SAMPLE_STARTS``), which every layer of a pipeline
+    stage receives unchanged: the packer computes them on the host, and ``samples.to_device`` carries
+    them to the device with the ids, so the model never has to find them; where they are missing
+    (a pipeline stage's received ids, a CP rank's slice), finding them on the device reads it back
+    (a host sync), once per stage and micro-batch rather than once per layer."""
+    cached = getattr(position_ids, SAMPLE_STARTS, None)
     if cached is None:
-        flat = position_ids.reshape(-1)
-        starts = torch.nonzero(flat == 0).flatten().to(torch.int32)
-        cached = torch.cat([starts, starts.new_full((1,), flat.numel())])
-        position_ids._cu_seqlens = cached
+        cached = _find_sample_starts(position_ids)
     return cached
+
+
+@torch.compiler.disable  # nonzero's length is data: a graph break, where no packer gave the starts
+def _find_sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten().to(torch.int32)
+    starts = torch.cat([starts, starts.new_full((1,), flat.numel())])
+    torch._dynamo.maybe_mark_dynamic(starts, 0)  # a new sample count is not a new compiled graph
+    setattr(position_ids, SAMPLE_STARTS, starts)
+    return starts
+
+
+def _torch_varlen_function() -> Optional[Callable]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch < 2.10
+        return None
+    return varlen_attn
+
+
+def torch_varlen_available() -> bool:
+    """torch's own variable-length flash kernel is here: torch 2.10 or newer and an Ampere-or-newer GPU."""
+    return (_torch_varlen_function() is not None and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (8, 0))
+
+
+def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: Optional[float] = None):
+    """Causal attention within each of the sequences laid end to end in q [t, heads, d] and k, v
+    [t, groups, d], ``cu_seqlens`` (int32, on the device) marking where each begins: torch's
+    variable-length flash kernel (flash-attention 2's, built into torch: no package to install).
+    Its cost follows the samples' own lengths, sum of L_i^2, not the row's: a block-diagonal mask
+    over a packed row of 4096 costs a whole causal row. Grouped-query k, v are passed as they are
+    (the kernel shares each KV head among its query heads)."""
+    fn = _torch_varlen_function()
+    options = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _varlen_takes_gqa_flag() else {}
+    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **options)
+
+
+@functools.cache
+def _varlen_takes_gqa_flag() -> bool:
+    """torch 2.13's varlen_attn asks for ``enable_gqa``; 2.10/2.11's take grouped k, v without it."""
+    import inspect
+    return "enable_gqa" in inspect.signature(_torch_varlen_function()).parameters
+
+
+def _sdpa_varlen(q, k, v, position_ids):
+    """Traced into a compiled layer when the ids carry their sample starts (torch's varlen_attn is
+    a custom op with a shape function), so a layer stays one graph."""
+    s, b = q.shape[:2]
+    q, k, v = (t.transpose(0, 1).reshape(b * s, *t.shape[2:]) for t in (q, k, v))
+    out = varlen_causal_attention(q, k, v, sample_starts(position_ids), s)
+    return out.view(b, s, *out.shape[1:]).transpose(0, 1)
+
+
+def make_sdpa_attention() -> Callable:
+    """``sdpa_attention``, except that packed rows take torch's variable-length flash kernel where
+    it applies: a CUDA tensor in half precision, head dim up to 256, no attention dropout (the
+    kernel's dropout is fixed at 0). Whether the kernel exists is decided here, once, so that a
+    compiled layer guards only on the tensors' device, dtype and shape."""
+    varlen = torch_varlen_available()
+
+    def attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
+        if (varlen and position_ids is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+                and not dropout_p and q.shape[-1] <= 256):
+            return _sdpa_varlen(q, k, v, position_ids)
+        return sdpa_attention(q, k, v, dropout_p, position_ids)
+    return attention
 
 
 def sdpa_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
@@ -180,8 +251,9 @@ def _available(name: str) -> tuple[bool, str]:
 CUDNN_IN_GRAPHS_FROM = (128, 256)
 
 
-# Backends that keep packed samples apart (--packing): SDPA with a block-diagonal causal mask,
-# flash-attn's variable-length kernels. cuDNN's SDPA entry and TE's sbhd layout are not wired for it.
+# Backends that keep packed samples apart (--packing): sdpa (torch's variable-length flash kernel
+# where it applies, else a block-diagonal causal mask), flash-attn's variable-length kernels.
+# cuDNN's SDPA entry and TE's sbhd layout are not wired for it.
 PACKING_BACKENDS = ("sdpa", "flash")
 
 
@@ -227,6 +299,9 @@ def _resolve_packing(name: str, attention_dropout: float) -> tuple[str, str]:
         return name, "requested (packed samples apart)"
     if varlen is not None and not (attention_dropout and version == "4"):
         return "flash", f"auto with --packing: flash-attn {version}'s variable-length kernels"
+    if torch_varlen_available() and not attention_dropout:
+        return "sdpa", ("auto with --packing: torch's variable-length flash kernel in half precision (no flash-attn), "
+                        "SDPA with a block-diagonal causal mask otherwise")
     return "sdpa", "auto with --packing: SDPA with a block-diagonal causal mask (no flash-attn)"
 
 
@@ -393,7 +468,7 @@ def make_block_attention(backend: str):
 def make_attention_core(backend: str, *, heads: int, groups: int, head_dim: int, dropout: float) -> Callable:
     """The core for a resolved backend name; ``heads``/``groups`` are this TP rank's."""
     if backend == "sdpa":
-        return sdpa_attention
+        return make_sdpa_attention()
     if backend == "cudnn":
         return cudnn_attention
     if backend == "flash":
