@@ -133,7 +133,7 @@ class PostTrainConfig:
 
     task: str = flag("pretrain", "What the loop trains: next-token prediction on every token (pretrain), on the replies of chat data (sft), or preference pairs (dpo); data for sft and dpo comes from scripts/preprocess_chat.py.",
                      choices=("pretrain", "sft", "dpo"))
-    packing: bool = flag(False, "SFT: pack several conversations into each row, positions restarting per conversation and no attention across them (flash-attn variable-length kernels, or an SDPA block mask).")
+    packing: bool = flag(False, "SFT: pack several conversations into each row, positions restarting per conversation and no attention across them (variable-length flash kernels on a GPU in half precision, else an SDPA block mask).")
     dpo_beta: float = flag(0.1, "DPO: beta, the strength of the pull towards the reference model.")
     dpo_loss: str = flag("sigmoid", "DPO: the pair loss (formulas in the README): sigmoid (with --dpo-label-smoothing), ipo or hinge.",
                          choices=("sigmoid", "ipo", "hinge"))
