@@ -237,6 +237,12 @@ def test_gpu_packed_fp32_and_dropout_fall_back_to_the_mask(monkeypatch):
     core = make_attention_core("sdpa", heads=4, groups=2, head_dim=32, dropout=0.0)
     check_packed_against_reference(core, [[40, 1, 23], [64]], heads=4, groups=2, d=32, dtype=torch.float32, device="cuda", tol=1e-4)
     assert used, "fp32 packed rows must take the masked SDPA path"
+    used.clear()
+    positions = packed_positions([[40, 1, 23], [64]], "cuda")
+    q = torch.randn(64, 2, 4, 32, dtype=torch.bfloat16, device="cuda")
+    kv = torch.randn(64, 2, 2, 32, dtype=torch.bfloat16, device="cuda")
+    assert torch.isfinite(core(q, kv, kv, 0.1, positions)).all()
+    assert used, "bf16 packed rows with attention dropout must take the masked SDPA path (the varlen kernel has none)"
 
 
 @pytest.mark.gpu

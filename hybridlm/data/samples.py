@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from ..model.attention_backends import SAMPLE_STARTS
+from ..model.attention_backends import SAMPLE_STARTS, attach_sample_starts
 from ..parallel.context import slice_for_rank
 
 
@@ -68,6 +68,5 @@ def tensor_to_device(t: torch.Tensor, device) -> torch.Tensor:
     out = t.pin_memory().to(device, non_blocking=True)
     starts = getattr(t, SAMPLE_STARTS, None)  # packed position ids: their sample starts go along
     if starts is not None:
-        setattr(out, SAMPLE_STARTS, tensor_to_device(starts, device))
-        torch._dynamo.maybe_mark_dynamic(getattr(out, SAMPLE_STARTS), 0)
+        attach_sample_starts(out, tensor_to_device(starts, device))
     return out

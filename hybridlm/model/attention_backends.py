@@ -19,7 +19,6 @@ package is one sentence, not a stack trace from inside the first forward.
 """
 from __future__ import annotations
 
-import functools
 import importlib.util
 from typing import Callable, Optional
 
@@ -64,24 +63,34 @@ def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
 def _find_sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     flat = position_ids.reshape(-1)
     starts = torch.nonzero(flat == 0).flatten().to(torch.int32)
-    starts = torch.cat([starts, starts.new_full((1,), flat.numel())])
-    torch._dynamo.maybe_mark_dynamic(starts, 0)  # a new sample count is not a new compiled graph
+    return attach_sample_starts(position_ids, torch.cat([starts, starts.new_full((1,), flat.numel())]))
+
+
+def attach_sample_starts(position_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Keep ``starts`` on ``position_ids`` (where ``sample_starts`` looks), their length marked
+    dynamic: a new number of samples per row is not a new compiled graph. Returns ``starts``."""
+    torch._dynamo.maybe_mark_dynamic(starts, 0)
     setattr(position_ids, SAMPLE_STARTS, starts)
     return starts
 
 
-def _torch_varlen_function() -> Optional[Callable]:
+def _torch_varlen() -> tuple[Optional[Callable], dict]:
+    """torch's varlen_attn (None before torch 2.10), and what it needs told about grouped KV heads:
+    2.13's asks for ``enable_gqa``, 2.10/2.11's take grouped k, v without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.10
-        return None
-    return varlen_attn
+    except ImportError:
+        return None, {}
+    import inspect
+    return varlen_attn, ({"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {})
+
+
+_VARLEN_ATTN, _VARLEN_GQA_OPTIONS = _torch_varlen()  # what this torch provides, read once
 
 
 def torch_varlen_available() -> bool:
     """torch's own variable-length flash kernel is here: torch 2.10 or newer and an Ampere-or-newer GPU."""
-    return (_torch_varlen_function() is not None and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (8, 0))
+    return _VARLEN_ATTN is not None and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale: Optional[float] = None):
@@ -91,16 +100,8 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, 
     Its cost follows the samples' own lengths, sum of L_i^2, not the row's: a block-diagonal mask
     over a packed row of 4096 costs a whole causal row. Grouped-query k, v are passed as they are
     (the kernel shares each KV head among its query heads)."""
-    fn = _torch_varlen_function()
-    options = {"enable_gqa": True} if q.shape[1] != k.shape[1] and _varlen_takes_gqa_flag() else {}
-    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **options)
-
-
-@functools.cache
-def _varlen_takes_gqa_flag() -> bool:
-    """torch 2.13's varlen_attn asks for ``enable_gqa``; 2.10/2.11's take grouped k, v without it."""
-    import inspect
-    return "enable_gqa" in inspect.signature(_torch_varlen_function()).parameters
+    options = _VARLEN_GQA_OPTIONS if q.shape[1] != k.shape[1] else {}
+    return _VARLEN_ATTN(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), **options)
 
 
 def _sdpa_varlen(q, k, v, position_ids):

@@ -194,12 +194,15 @@ class DPOTask(ChatTask):
         return self.pairs, None
 
     def prepare(self, run) -> None:
-        if self.cfg.posttrain.reference == "precompute" and not self.cfg.model.lora_rank:
-            from .reference import reference_logps
-            self.reference = reference_logps(run, self)
+        if not self.cfg.model.lora_rank:  # the reference checkpoint, loaded before --load
+            self._precompute_reference(run)
 
     def loaded(self, run) -> None:
-        if self.cfg.posttrain.reference == "precompute" and self.cfg.model.lora_rank:
+        if self.cfg.model.lora_rank:  # the loaded base itself, adapters off
+            self._precompute_reference(run)
+
+    def _precompute_reference(self, run) -> None:
+        if self.cfg.posttrain.reference == "precompute":
             from .reference import reference_logps
             self.reference = reference_logps(run, self)
 
