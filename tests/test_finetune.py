@@ -125,6 +125,52 @@ def test_four_accumulation_steps_equal_one(models):
         assert (four["weights"][name] - tensor).abs().max().item() < 1e-6, name
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradients(tied):
+    # SequentialModel (PP 1) hands MaskedLMLoss the final hidden states before the head, which keeps
+    # only the positions with a label; a row with none keeps one ignored position (loss 0).
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.specs import build_model
+    from hybridlm.model.weights import init_parameters
+    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.state import SINGLE
+    from hybridlm.parallel.tensor_parallel import IGNORE_INDEX
+    from hybridlm.presets import LLAMA_BLOCK_SETTINGS
+    from hybridlm.training.losses import MaskedLMLoss
+
+    class EveryPosition(MaskedLMLoss):
+        select_positions = None
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=96, seq_length=12,
+                      untie_embeddings_and_output_weights=not tied, **LLAMA_BLOCK_SETTINGS)
+    cfg.padded_vocab_size = 128
+    model = build_model(cfg, ParallelPlan(), loss=MaskedLMLoss(ParallelPlan(), cfg.vocab_size))
+    init_parameters(model, seed=0, tp=SINGLE)
+    torch.manual_seed(0)
+    seen = []
+    head = model.forward_funcs[-1]
+    model.forward_funcs[-1] = lambda x: seen.append(x.shape) or head(x)
+    tokens = torch.randint(0, 96, (3, 12))
+    labels = torch.randint(0, 96, (3, 12))
+    labels[0, :7] = labels[1, 3:5] = labels[2] = IGNORE_INDEX
+    scale = torch.tensor([0.25])
+    results = []
+    for loss_fn in (model.loss_fn, EveryPosition(ParallelPlan(), cfg.vocab_size)):
+        model.loss_fn = loss_fn
+        model.zero_grad()
+        loss = model(tokens, (labels, scale))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert seen == [torch.Size([5 + 10, 1, 32]), torch.Size([12, 3, 32])]
+    (picked, picked_grads), (every, every_grads) = results
+    assert torch.allclose(picked, every, rtol=1e-6), (picked, every)
+    for name, grad in every_grads.items():
+        assert torch.allclose(picked_grads[name], grad, rtol=1e-5, atol=1e-7), name
+    labels[:] = IGNORE_INDEX
+    model.loss_fn = MaskedLMLoss(ParallelPlan(), cfg.vocab_size)
+    assert model(tokens, (labels, scale)).item() == 0.0 and seen[-1] == torch.Size([1, 1, 32])
+
+
 def test_attention_across_packed_samples_breaks_the_match(models):
     # The mutation check: with a plain causal mask, packed conversations see their row neighbours, and
     # the comparison of the test above fails (a random tiny model attends almost uniformly, so the

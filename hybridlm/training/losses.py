@@ -51,6 +51,22 @@ class MaskedLMLoss:
         labels, scale = labels
         return self.plan.cross_entropy(logits, labels.t(), self.vocab_size).sum() * scale.squeeze()
 
+    def select_positions(self, hidden, labels):
+        """The final hidden states [s, b, h] and labels cut to the positions with a label, as one
+        row [n, 1, h] and labels [1, n]: the sum is the same, and the output head and cross-entropy
+        skip the prompts and padding (half of a typical chat row). Under sequence parallelism the
+        hidden states are a sequence slice that the head gathers, so they stay whole there. The
+        positions' count is data (a host sync per micro-batch, after the layers are queued)."""
+        if self.plan.sequence_parallel:
+            return hidden, labels
+        labels, scale = labels
+        flat = labels.t().reshape(-1)
+        keep = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        if keep.numel() == 0:  # keep one ignored position: the head and loss still run (and give 0)
+            keep = keep.new_zeros(1)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep).unsqueeze(1)
+        return rows, (flat.index_select(0, keep).unsqueeze(0), scale)
+
 
 def dpo_pair_losses(h: torch.Tensor, beta: float, kind: str, smoothing: float = 0.0) -> torch.Tensor:
     """The pinned pair losses of h = (pi_c - ref_c) - (pi_r - ref_r)."""
