@@ -42,6 +42,7 @@ class RunConfig:
                 raise ConfigError(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}; it must equal TP x PP x DP.")
             raise ConfigError(f"world size {world_size} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp}; it must equal TP x PP x CP x DP.")
         p.data_parallel_size = world_size // (tp * pp * cp)
+        m.half_precision = t.bf16 or t.fp16
         if m.num_attention_heads % tp:
             raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
         if m.num_query_groups % tp:
@@ -107,6 +108,9 @@ class RunConfig:
             raise ConfigError("--ckpt-step needs --load.")
         if t.finetune and not t.load:
             raise ConfigError("--finetune needs --load: it says what to take from the loaded checkpoint.")
+        interval = t.check_weight_hash_across_dp_replicas_interval
+        if interval is not None and interval < 1:
+            raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be at least 1, got {interval}.")
         if t.manual_gc_interval < 0 or (t.manual_gc_interval and not t.manual_gc):
             raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:

@@ -106,11 +106,11 @@ class Attention(nn.Module):
         self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary, positions=plan.sequence_positions)
                        if cfg.position_embedding_type == "rope" else None)
         backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape,
-                                     packing=cfg.packed_samples)
+                                     packing=cfg.packed_samples, half_precision=cfg.half_precision)
         core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
                                    groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
                                    dropout=cfg.attention_dropout)
-        self.core = plan.attention(core, make_block_attention(backend))
+        self.core = plan.attention(core, make_block_attention(cfg.attention_block_kernel))
         self.dropout = cfg.attention_dropout
         self.selective_recompute = selective_recompute
 

@@ -26,7 +26,7 @@ from deepspeed.accelerator import get_accelerator
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
-from ..model.attention_backends import resolve_backend
+from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
 from ..model.cuda_graphs import capture_layers
 from ..model.specs import apply_recompute, build_model, compile_layers, transformer_layers
 from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
@@ -49,6 +49,7 @@ from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
+from .replicas import ReplicaCheck, ReplicasDiverged
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
@@ -90,12 +91,18 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
 
 
 def check_model_impl(cfg: RunConfig) -> str:
-    """The attention kernel and linear-layer library are usable here; returns the attention line for the log."""
+    """The attention kernels and linear-layer library are usable here: resolves the attention core and
+    (under CP's ring or all-gather) its block kernel once, and returns the attention line for the log."""
     m = cfg.model
     try:
-        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape, packing=m.packed_samples)
+        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape,
+                                       packing=m.packed_samples, half_precision=m.half_precision)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    line = f"attention {backend} ({why})"
+    if cfg.parallel.context_parallel_size > 1 and cfg.parallel.cp_comm_type != "a2a":
+        m.attention_block_kernel = block_kernel_name(backend, m.half_precision, on_gpu())
+        line += f"; CP {cfg.parallel.cp_comm_type} blocks on {describe_block_kernel(m.attention_block_kernel)} kernel"
     te_usable = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
     if m.cuda_graphs and not te_usable:
         raise ConfigError("--cuda-graphs needs a CUDA GPU and Transformer Engine, whose make_graphed_callables captures the layers "
@@ -107,7 +114,7 @@ def check_model_impl(cfg: RunConfig) -> str:
         if m.fp8_format and cfg.parallel.recompute_granularity:
             raise ConfigError("--fp8-format cannot be combined with --recompute-granularity yet: recomputing an FP8 "
                               "layer needs Transformer Engine's own checkpointing to replay its scaling state.")
-    return f"attention {backend} ({why})"
+    return line
 
 
 class TrainingStopped(RuntimeError):
@@ -316,6 +323,20 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     return loss
 
 
+def check_replicas_at_start(run: Run) -> Optional[ReplicaCheck]:
+    """--check-weight-hash-across-dp-replicas-interval: the check, made once before the first step (after a resume
+    too, as Megatron does); None when the flag is off."""
+    if run.cfg.train.check_weight_hash_across_dp_replicas_interval is None:
+        return None
+    replicas = ReplicaCheck(run.engine.module, run.ps.grad_reduction, run.ps.expert_dp)
+    replicas.check(run.iteration)
+    if dist.get_rank() == 0:
+        print(f"hybridlm: replica check every {run.cfg.train.check_weight_hash_across_dp_replicas_interval} steps: "
+              f"{replicas.describe()}; the replicas agree at iteration {run.iteration} ({1000 * replicas.last_seconds:.1f} ms)",
+              flush=True)
+    return replicas
+
+
 def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
@@ -360,6 +381,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
                               wandb_dir=t.wandb_dir or t.save, tensorboard_dir=t.tensorboard_dir,
                               config=cfg.to_dict(), wandb_resume_id=run.wandb_run_id)
     run.wandb_run_id = wandb_run_id(trackers) or run.wandb_run_id
+    replicas = check_replicas_at_start(run)
     profiler = StepProfiler(t.profile_step_range, t.profile_dir, dist.get_rank())
     profiler.step(run.iteration)  # a range starting at the first iteration starts here
     batches = data_iterator(run)
@@ -405,6 +427,8 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
             records.append(log.record_eval(iteration=run.iteration, loss=valid_loss))
             log_all(trackers, {"valid_loss": valid_loss, "valid_ppl": records[-1]["valid_ppl"]}, run.iteration)
             started = time.perf_counter()  # evaluation time is not training time
+        if replicas is not None and run.iteration % t.check_weight_hash_across_dp_replicas_interval == 0:
+            replicas.check(run.iteration)  # before a save: diverged replicas are never written as one model
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run)
         stop = early_exit.reason(run.iteration, device()) if run.iteration < t.train_iters else None
@@ -432,7 +456,7 @@ def main(argv: Optional[list[str]] = None, parse=parse_args) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         pretrain(argv, parse)
-    except (ConfigError, TrainingStopped) as e:
+    except (ConfigError, TrainingStopped, ReplicasDiverged) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3
     except Preempted as e:
