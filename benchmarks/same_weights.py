@@ -5,16 +5,16 @@
 The model and flags are those of tests/test_context_parallel_gpu.py's two-GPU test (d256 L4, seq 1024, bf16,
 constant lr 1e-3), whose CP=2 runs spiked at step 16 to twice the one-GPU loss.
 
-1. Trajectories: 20 steps each of one GPU (the run's own attention kernel), one GPU with torch's flash kernel
-   instead, one GPU in fp32, CP=2 p2p and CP=2 a2a, from the same seed and data. The one-GPU bf16 run saves every
-   step.
+1. Trajectories: 20 steps each of one GPU, one GPU with micro-batches of 1 instead of 2 (the same global batch:
+   only the order of the gradient sums changes), one GPU in fp32, CP=2 p2p and CP=2 a2a, from the same seed and
+   data. The one-GPU bf16 run saves every step.
 2. Probes: from the one-GPU bf16 checkpoint of iteration S (each of ``--at``), each variant runs two steps: the
    first on those weights and step S+1's batch (its loss and full gradients are kept), the second on the weights its
    own update made. The fp32 one-GPU probe is the reference each gradient is compared with.
 
 If CP computes the same function, its gradient is as close to the fp32 one as the one-GPU bf16 gradient is, and
 any gap in later losses comes from the updates (Adam at a constant 1e-3 with no warm-up amplifies rounding
-differences), which the one-GPU runs with two kernels show without any parallelism.
+differences), which the one-GPU runs with two micro-batch sizes show without any parallelism.
 
 Jobs run side by side where GPUs allow (one GPU each for one-GPU runs, two for CP), through torchrun with
 ``CUDA_VISIBLE_DEVICES``. On a machine without GPUs the same runs take gloo ranks (slow; for checking the script).
@@ -44,7 +44,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 BF16 = ["--bf16"]
 VARIANTS = {  # name: (GPUs, flags)
     "1 GPU bf16": (1, BF16),
-    "1 GPU bf16 sdpa": (1, BF16 + ["--attention-backend", "sdpa"]),
+    "1 GPU bf16 mb 1": (1, BF16 + ["--micro-batch-size", "1"]),  # the same sums accumulated in another order
     "1 GPU fp32": (1, []),
     "CP2 p2p bf16": (2, BF16 + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     "CP2 a2a bf16": (2, BF16 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
@@ -201,7 +201,7 @@ def table(summary: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--at", default="14,15", help="iterations whose one-GPU checkpoint the probes start from")
+    parser.add_argument("--at", default="14,15", help="iterations whose one-GPU checkpoint the probes start from ('': none)")
     parser.add_argument("--steps", type=int, default=20, help="steps of each trajectory")
     parser.add_argument("--out", default=None, help="folder for checkpoints, logs and results (default: a temporary one)")
     parser.add_argument("--record-file", default=None)
@@ -212,7 +212,7 @@ def main() -> int:
         return 0
     work = args.out or tempfile.mkdtemp(prefix="same_weights_")
     started = time.perf_counter()
-    summary = run(work, [int(s) for s in args.at.split(",")], args.steps)
+    summary = run(work, [int(s) for s in args.at.split(",") if s], args.steps)
     print(f"# same weights, same batch ({time.perf_counter() - started:.0f} s of runs; work folder {work})\n", flush=True)
     print(table(summary), flush=True)
     with open(os.path.join(work, "same_weights.json"), "w") as f:
