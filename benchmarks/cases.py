@@ -96,11 +96,11 @@ def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference
 
 def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str, ...] = ()) -> Case:
     """benchmarks/curves.py's 200-step loss curves of layouts against one rank: the dense model for the scaling
-    suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, ~50 s a run), or 8 gloo ranks (0)."""
+    suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, ~45 s a run), or 8 gloo ranks (0)."""
     kind = "moe" if suite == "moe" else "dense"
     on_gpus = ("--gpus", str(gpus)) if gpus else ()
     chosen = ("--layouts", ",".join(layouts)) if layouts else ()
-    timing = dict(expected_s=60 * (len(layouts) + 1), timeout_s=580) if layouts else (
+    timing = dict(expected_s=45 * (len(layouts) + 1), timeout_s=580) if layouts else (
         dict(expected_s=500, timeout_s=580) if gpus else dict(expected_s=900, timeout_s=1800))
     return Case(name, suite, label, gpus=gpus, figures=("max windowed loss gap", "verdict"), launcher="python",
                 script=("benchmarks/curves.py", kind) + on_gpus + chosen, **timing)
