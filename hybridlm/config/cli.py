@@ -64,14 +64,14 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[dict] = None) ->
     ns.pop("local_rank", None)
     ns.pop("deepspeed", None)
     path = ns.pop("config", None)
-    values = dict(base or {})
-    values.update(load_yaml(path) if path else {})
-    values.update(ns)
+    given = {**(load_yaml(path) if path else {}), **ns}
+    values = {**(base or {}), **given}
     typed = frozenset(values)
-    if values.get("model") is None and not any(name in values for name in SHAPE_FLAGS):
-        values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
-    if values.get("model") is not None:  # the preset under the run file under the flags
-        values = {**_preset_values(values["model"]), **values}
+    preset = given.get("model")  # a base (a checkpoint's settings) holds its preset already applied: not again
+    if preset is None and not any(name in values for name in SHAPE_FLAGS):
+        preset = values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
+    if preset is not None:  # the preset under the base under the run file under the flags
+        values = {**_preset_values(preset), **values}
     notes = megatron.translate(values)
     cfg = config_from_dict(values)
     cfg.notes.extend(notes)
