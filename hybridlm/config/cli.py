@@ -31,9 +31,25 @@ def _base_type(hint):
     return next(a for a in args if a is not type(None)) if args else hint
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a mistyped flag or value is answered by its one error line and where the flags are
+    listed, not by the usage of every flag; and once: each rank of a launch parses the same command
+    line before any process group exists, so only the launch's rank 0 (from the environment) says it."""
+
+    def error(self, message: str):
+        if rank_from_env() != 0:
+            self.exit(2)
+        if message.startswith("unrecognized arguments:"):
+            import difflib
+            typos = [w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+            near = [m for w in typos for m in difflib.get_close_matches(w, list(self._option_string_actions), n=1)]
+            message += f" (did you mean {' / '.join(near)}?)" if near else ""
+        self.exit(2, f"error: {message}\n{self.prog} --help lists every flag.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Train a GPT with tensor/sequence/pipeline/data parallelism on DeepSpeed.",
-                                     allow_abbrev=False)
+    parser = OneLineErrors(description="Train a GPT with tensor/sequence/pipeline/data parallelism on DeepSpeed.",
+                           allow_abbrev=False)
     for section, f, hint in _cli_fields():
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hint)
@@ -148,6 +164,14 @@ def config_from_dict(values: dict) -> RunConfig:
     return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
                      train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]),
                      posttrain=PostTrainConfig(**by_section["posttrain"]), explicit=frozenset(values))
+
+
+def rank_from_env() -> int:
+    """This process's rank as the launcher announced it (torchrun/deepspeed: RANK; mpirun: OMPI/PMI; srun), else 0."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 def world_size_from_env() -> int:

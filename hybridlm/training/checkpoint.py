@@ -178,7 +178,8 @@ def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | 
         if keep_rng:
             set_rng_state(torch.load(rng_path, weights_only=False))
         return client_state
-    path, client_state = engine.load_checkpoint(directory, tag=tag)
+    with torch.no_grad():  # a pipeline's load broadcasts the tied embedding again (hybridlm.model.specs.build_model)
+        path, client_state = engine.load_checkpoint(directory, tag=tag)
     if path is None:
         raise ConfigError(f"--load {directory}: DeepSpeed could not read checkpoint {tag}.")
     if cfg is not None:
