@@ -234,11 +234,11 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
-    def largest_token_id(self, documents: int = 256, tokens: int = 1 << 22) -> tuple[int, Optional[dict]]:
+    def largest_token_id(self, documents: int = 64, tokens: int = 1 << 20) -> tuple[int, Optional[dict]]:
         """(the largest token id, the tokenizer flags that wrote the data or None), from ``P.ids.json``
         when it describes these files, else from the first and last tokens of about ``documents``
-        evenly spaced sequences (at most ``tokens`` in all): a foreign vocabulary shows in every
-        document, if only in its end-of-document id. -1 for no token."""
+        evenly spaced sequences (at most ``tokens`` in all): a foreign vocabulary shows in nearly every
+        document (in its end-of-document id, with --append-eod). -1 for no token."""
         try:
             with open(ids_path(self.prefix)) as f:
                 record = json.load(f)
