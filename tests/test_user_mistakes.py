@@ -105,8 +105,8 @@ def test_resuming_past_the_end_says_so_in_one_line_and_exits_0(saved_run):
     code, out, err, _ = run_ranks(1, _main, TINY + ZERO1 + ["--train-iters", "1", "--load", run, "--save", run])[0]
     assert code == 0, err
     said = [line for line in out.splitlines() if "nothing to train" in line]
-    assert said == [f"hybridlm: --load {run} is at iteration 2, not before the run's end at iteration 1 (--train-iters or "
-                    "--train-samples): nothing to train; raise it to train further."], out
+    assert said == [f"hybridlm: --load {run} is at iteration 2, at or past this run's end (--train-iters 1): nothing to train; "
+                    "raise --train-iters to train further."], out
     assert "iter " not in out  # no step was logged
     assert {name: os.stat(os.path.join(run, name)).st_mtime_ns for name in os.listdir(run)} == before  # nothing written
 

@@ -343,8 +343,11 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     rank0 = dist.get_rank() == 0
     if run.iteration >= t.train_iters:  # a requeue after the end, or a shorter --train-iters: exit 0 as Megatron does
         if rank0:
-            print(f"hybridlm: --load {t.load} is at iteration {run.iteration}, not before the run's end at iteration "
-                  f"{t.train_iters} (--train-iters or --train-samples): nothing to train; raise it to train further.", flush=True)
+            samples = t.train_samples is not None
+            flag = "--train-samples" if samples else "--train-iters"
+            end = f"{flag} {t.train_samples}, {t.train_iters} iterations" if samples else f"{flag} {t.train_iters}"
+            print(f"hybridlm: --load {t.load} is at iteration {run.iteration}, at or past this run's end ({end}): nothing to "
+                  f"train; raise {flag} to train further.", flush=True)
         early_exit.restore()
         return []
     log = StepLog(cfg.model, world_size=dist.get_world_size(), tokens_per_step=run.tokens_per_step,
