@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -87,8 +88,13 @@ def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selectiv
     specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
     loss = loss or LMLoss(plan, cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
-        model = PipelineModule(layers=specs, loss_fn=loss, topology=topology,
-                               partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
+        # no_grad: the constructor broadcasts the tied embedding from the first stage to the last in
+        # place (DeepSpeed's _synchronize_tied_weights), a copy no gradient should flow through; with
+        # grad mode on, c10d's broadcast_ (no autograd kernel) leaves the parameter warning at every
+        # backward that it "may lead to silently incorrect behavior"
+        with torch.no_grad():
+            model = PipelineModule(layers=specs, loss_fn=loss, topology=topology,
+                                   partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
     else:
         model = SequentialModel(specs, loss, context=plan.layer_context)
     if cfg.lora_rank:  # adapters on this stage's target linears, the rest frozen (hybridlm.parallel.lora)

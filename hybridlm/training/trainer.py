@@ -197,8 +197,9 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     if t.load:
         client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
         if client_state is None:
-            if dist.get_rank() == 0:
-                print(f"--load {t.load}: no checkpoint there yet; starting from iteration 0", flush=True)
+            if dist.get_rank() == 0:  # Megatron's start from scratch, on which a requeued job's first run relies
+                print(f"warning: {checkpoint.no_checkpoint_reason(t.load)}: training starts from scratch at iteration 0, "
+                      "as Megatron-LM does; check the path if this run was meant to resume.", file=sys.stderr, flush=True)
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
@@ -361,6 +362,15 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     run = build_run(cfg, ds_config)
     t = cfg.train
     rank0 = dist.get_rank() == 0
+    if run.iteration >= t.train_iters:  # a requeue after the end, or a shorter --train-iters: exit 0 as Megatron does
+        if rank0:
+            samples = t.train_samples is not None
+            flag = "--train-samples" if samples else "--train-iters"
+            end = f"{flag} {t.train_samples}, {t.train_iters} iterations" if samples else f"{flag} {t.train_iters}"
+            print(f"hybridlm: --load {t.load} is at iteration {run.iteration}, at or past this run's end ({end}): nothing to "
+                  f"train; raise {flag} to train further.", flush=True)
+        early_exit.restore()
+        return []
     log = StepLog(cfg.model, world_size=dist.get_world_size(), tokens_per_step=run.tokens_per_step,
                   peak=peak_tflops(t.peak_tflops), metrics_file=t.metrics_file, enabled=rank0)
     if rank0:
