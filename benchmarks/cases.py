@@ -141,6 +141,10 @@ CASES = (
     _long("ref-seq256k", 262144, probe=True),
     _long("ref-cp2-seq256k-p2p", 262144, cp=2, peers=("megatron-lm",)),
     _long("ref-cp2-seq256k-a2a", 262144, cp=2, comm="a2a", peers=("megatron-lm",)),
+    Case("cp2-same-weights", "long-context", "CP test model (d256 L4, seq 1024, constant lr 1e-3): the same weights and batch on "
+         "1 GPU and CP=2, bf16", gpus=2, launcher="python", script=("benchmarks/same_weights.py",), expected_s=200, timeout_s=400,
+         figures=("loss 16 on the weights of 15", "gradient error to fp32 at 15", "gradient error to fp32 at 14",
+                  "loss 16 of each trajectory")),
     _long("ref-cp2-seq384k", 393216, cp=2, probe=True),
     _long("ref-cp2-seq512k", 524288, cp=2, probe=True),
     # MoE

@@ -199,6 +199,24 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def figures(summary: dict) -> dict:
+    """The record's figures: each step's loss after S on the same weights, each gradient's distance to fp32, and the
+    loss that step reached in each variant's own trajectory."""
+    short = {SAVER: "1 GPU", REFERENCE: "fp32", "CP2 p2p bf16": "CP2 p2p", "CP2 a2a bf16": "CP2 a2a", "1 GPU bf16 mb 1": "1 GPU mb 1"}
+    out = {}
+    for s, by in summary["probes"].items():
+        s = int(s)
+        out[f"loss {s + 1} on the weights of {s}"] = " / ".join(f"{short.get(n, n)} {v['loss']:.4f}" for n, v in by.items())
+        out[f"gradient error to fp32 at {s}"] = " / ".join(f"{short.get(n, n)} {v['grad_rel_err_vs_fp32']:.1e}" for n, v in by.items()
+                                                          if n != REFERENCE)
+        out[f"loss {s + 2} after each one's own update from {s}"] = " / ".join(
+            f"{short.get(n, n)} {v['next_loss']:.4f}" for n, v in by.items() if n != REFERENCE)
+    for s in sorted({int(s) + 1 for s in summary["probes"]} | ({16} if not summary["probes"] else set())):
+        out[f"loss {s} of each trajectory"] = " / ".join(f"{short.get(n, n)} {v[s - 1]:.3f}"
+                                                          for n, v in summary["trajectories"].items() if len(v) >= s)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--at", default="14,15", help="iterations whose one-GPU checkpoint the probes start from ('': none)")
@@ -219,10 +237,9 @@ def main() -> int:
         json.dump(summary, f, indent=1)
     if args.record_file:
         from benchmarks.records import append, script_record
-        figures = {f"{name} grad err vs fp32 @{s}": f"{v['grad_rel_err_vs_fp32']:.2e}" for s, by in summary["probes"].items()
-                   for name, v in by.items() if name != REFERENCE}
         append(args.record_file, script_record("python benchmarks/same_weights.py", sys.argv[1:],
-                                               "CP test model (d256 L4, seq 1024), same weights and batch, 1 GPU vs CP=2", figures))
+                                               "CP test model (d256 L4, seq 1024, constant lr 1e-3): the same weights and batch "
+                                               "on 1 GPU and CP=2, bf16", figures(summary)))
     return 0
 
 

@@ -95,6 +95,9 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def assert_matches(reference: dict, parallel: dict, tol: float = 1e-5) -> None:
+    for key in ("losses", "grad_norms", "aux_losses", "z_losses"):  # zip below would stop at the shorter list
+        want, got = len(reference.get(key, [])), len(parallel.get(key, []))
+        assert want == got, f"{key}: {got} steps reported by the layout, {want} by the single process"
     for step, (want, got) in enumerate(zip(reference["losses"], parallel["losses"]), start=1):
         assert abs(got - want) <= tol * abs(want), f"step {step} loss {got!r} != single-process {want!r}"
     for key in ("aux_losses", "z_losses"):
@@ -103,8 +106,8 @@ def assert_matches(reference: dict, parallel: dict, tol: float = 1e-5) -> None:
             assert abs(got - want) <= tol * abs(want), f"step {step} {key[:-2]} {got!r} != single-process {want!r}"
     assert parallel.get("expert_bias") == reference.get("expert_bias"), "the expert biases moved differently"
     for step, (want, got) in enumerate(zip(reference["grad_norms"], parallel["grad_norms"]), start=1):
-        if want is not None and got is not None:
-            assert abs(got - want) <= tol * abs(want), f"step {step} grad norm {got!r} != single-process {want!r}"
+        assert want is not None and got is not None, f"step {step}: no grad norm reported (single {want!r}, layout {got!r})"
+        assert abs(got - want) <= tol * abs(want), f"step {step} grad norm {got!r} != single-process {want!r}"
     assert set(parallel["grads"]) == set(reference["grads"]), "parameter names differ between layouts"
     for name, want in reference["grads"].items():
         got = parallel["grads"][name]

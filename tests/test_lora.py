@@ -75,9 +75,13 @@ def random_b_run(flags: list[str], steps: int, save: str | None, mutate: bool = 
     if mutate:  # the mutation check: the replicated factor's gradient is not summed over TP under SP
         import hybridlm.parallel.lora as lora
         lora.sum_grad_over_tp = lambda param, tp: None
+    from hybridlm.parallel.lora import adapters_disabled
     random_b()
     cfg, ds = prepare_config(parse_args(flags))
     run = build_run(cfg, ds)
+    start = _layout_logits(run, _tokens())
+    with adapters_disabled(run.engine.module):
+        base = _layout_logits(run, _tokens())
     batches = data_iterator(run)
     losses = [train_step(run, batches).item() for _ in range(steps)]
     logits = _layout_logits(run, _tokens())
@@ -85,7 +89,8 @@ def random_b_run(flags: list[str], steps: int, save: str | None, mutate: bool = 
         if torch.distributed.get_rank() == 0:
             write_run_files(save, cfg, ds)
         save_checkpoint(run)
-    return {"losses": losses, "logits": logits}
+    adapter_term = None if start is None else (start - base).abs().max().item()
+    return {"losses": losses, "logits": logits, "adapter_term_at_start": adapter_term}
 
 
 def _flags(layout: str, steps: int, save: str | None = None) -> tuple[int, list[str]]:
@@ -116,6 +121,10 @@ def test_lora_logits_match_single_process_and_the_merged_hf_export(layout, tmp_p
     world, flags = _flags(layout, 2, run_dir)
     results = run_ranks(world, random_b_run, flags, 2, run_dir)
     ours, single = layout_logits(results), single_process(2)
+    # the random B is in place before the first step: the adapters already move the logits (with B = 0, PEFT's and
+    # our default start, they would not, and the first step's A gradient would be zero at every layout alike)
+    term = next(r["adapter_term_at_start"] for r in results if r["adapter_term_at_start"] is not None)
+    assert term > 1e-3, f"the adapters change the starting logits by only {term:.1e}: B did not start random"
     for step, (got, want) in enumerate(zip(results[0]["losses"], single["losses"]), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: loss {got} != single-process {want}"
     assert (ours - single["logits"]).abs().max().item() < 1e-4

@@ -148,8 +148,11 @@ def test_expert_bias_counts_the_kept_assignments_of_a_step_and_steers_the_next()
     assert layer.router.tokens_since_update.sum() == 0
     with torch.no_grad():
         layer.router.expert_bias[5] = 10.0  # a bias beyond any score difference: every token takes expert 5
-        weights, index = route(layer.router(x).view(-1, 8), layer.options, layer.router.expert_bias)
-    assert (index == 5).any(-1).all() and weights.max() < 1.0  # it chooses; the weights stay the scores'
+        logits = layer.router(x).view(-1, 8)
+        weights, index = route(logits, layer.options, layer.router.expert_bias)
+    assert (index == 5).any(-1).all()  # the bias chooses ...
+    chosen = logits.sigmoid().gather(-1, index)  # ... and the weights stay the raw scores of the chosen, normalised
+    torch.testing.assert_close(weights, chosen / chosen.sum(-1, keepdim=True))
 
 
 # ---------------------------------------------------------------- every option at EP2 x TP2 x PP2 with SP
