@@ -52,12 +52,12 @@ ON_GPUS = ["--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2
 # The four-GPU cases: one model per kind (on the built-in corpus, byte vocabulary) and every layout of four GPUs.
 MODELS_4GPU = {
     "dense": (["--num-layers", "10", "--hidden-size", "1024", "--num-attention-heads", "16", "--group-query-attention",
-               "--num-query-groups", "8", "--ffn-hidden-size", "2816", "--seq-length", "1024", "--micro-batch-size", "2"],
-              "Llama-style d1024 L10 (120M), GQA 16/8, seq 1024"),
+               "--num-query-groups", "8", "--ffn-hidden-size", "2816", "--seq-length", "1024", "--micro-batch-size", "4"],
+              "Llama-style d1024 L10 (120M), GQA 16/8, seq 1024, mb 4"),
     "moe": (["--num-layers", "8", "--hidden-size", "768", "--num-attention-heads", "12", "--group-query-attention",
              "--num-query-groups", "4", "--ffn-hidden-size", "2048", "--num-experts", "8", "--moe-router-topk", "2",
              "--moe-ffn-hidden-size", "1536", "--moe-aux-loss-coeff", "0.01", "--seq-length", "1024", "--micro-batch-size", "2"],
-            "Mixtral-style d768 L8, 8 experts of 1536 top-2 (240M, 70M active), seq 1024"),
+            "Mixtral-style d768 L8, 8 experts of 1536 top-2 (240M, 70M active), seq 1024, mb 2"),
 }
 TINY_BLOCK = ["--model", "tiny"]  # the Llama block, optimiser and byte tokenizer of the built-in run; the shape above wins
 TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
