@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference as reference_ops
+from ..parallel.loss import LossReducer, loss_scales, scaled_loss
 from ..parallel.plan import ParallelPlan
 from ..parallel.tensor_parallel import scaled_init_std
 from .attention import Rotary
@@ -308,13 +309,22 @@ def tied_output(embedding: Embedding, x):
 
 
 class LMLoss:
-    """Mean next-token cross-entropy of vocab-split logits [s, b, padded v/TP] against labels
-    [b, s], over the ``vocab_size`` real entries (the padding, whose amount depends on TP,
-    takes no part: the same model gives the same loss at every TP), and over the whole
-    micro-batch (the plan's mean: a rank may hold only a slice of each sample)."""
+    """Next-token cross-entropy of vocab-split logits [s, b, padded v/TP] against labels [b, s], over
+    the ``vocab_size`` real entries (the padding, whose amount depends on TP, takes no part: the same
+    model gives the same loss at every TP). One term of the loss contract (``hybridlm.parallel.loss``):
+    the sum over the micro-batch's tokens, counted by its tokens. ``labels``: [b, s] (a micro-batch
+    alone: its mean), or (labels, the step's scales) as the training step hands them."""
 
-    def __init__(self, plan: ParallelPlan, vocab_size: int | None = None):
-        self.plan, self.vocab_size = plan, vocab_size
+    def __init__(self, reducer: LossReducer, vocab_size: int | None = None):
+        self.reducer, self.vocab_size = reducer, vocab_size
+
+    @staticmethod
+    def counts(labels: torch.Tensor) -> torch.Tensor:
+        """[1]: every token of the micro-batch (this rank's slice of it under CP) counts."""
+        return torch.full((1,), float(labels.numel()), dtype=torch.float64, device=labels.device)
 
     def __call__(self, logits, labels):
-        return self.plan.token_mean(self.plan.cross_entropy(logits, labels.t(), self.vocab_size))
+        labels, scales = labels if isinstance(labels, tuple) else (labels, None)
+        if scales is None:
+            scales = loss_scales(self.counts(labels), 1, 1)
+        return scaled_loss(self.reducer.cross_entropy(logits, labels.t(), self.vocab_size).sum().reshape(1), scales)

@@ -85,7 +85,7 @@ def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selectiv
     """A PipelineModule when ``topology`` has more than one stage, else a SequentialModel.
     ``loss(logits, labels)`` ends the model (default: the mean next-token loss, ``LMLoss``)."""
     specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
-    loss = loss or LMLoss(plan, cfg.vocab_size)
+    loss = loss or LMLoss(plan.loss, cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
         model = PipelineModule(layers=specs, loss_fn=loss, topology=topology,
                                partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)

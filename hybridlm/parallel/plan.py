@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from ..ops import Kernels, reference_kernels
-from .context import ContextParallelAttention, load_balanced_positions, sum_over_context_parallel
+from .context import ContextParallelAttention, load_balanced_positions
+from .loss import LossReducer
 from .moe import MoELayer
 from .random import tensor_parallel_rng
 from .sequence import scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
-from .tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                              column_parallel_matmul, copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter,
-                              vocab_parallel_cross_entropy)
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              column_parallel_matmul, copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter)
 
 
 class _BetweenTPCrossings:
@@ -62,7 +62,7 @@ class ParallelPlan:
         self.local_matmul, self.local_norm_matmul, self.layer_context = local_matmul, local_norm_matmul, layer_context
         self.local_norm_mlp = local_norm_mlp
         self.kernels = kernels or reference_kernels()
-        self.compiled_loss = None
+        self.loss = LossReducer(tp, cp, self.sequence_parallel)  # what the model's loss asks of the layout
 
     @property
     def gemms_outside_graphs(self) -> bool:
@@ -119,19 +119,6 @@ class ParallelPlan:
             return None
         return load_balanced_positions(length * self.cp.size, self.cp.rank, self.cp.size, device=device)
 
-    def token_mean(self, per_token: torch.Tensor) -> torch.Tensor:
-        """Mean of a per-token quantity over the whole micro-batch (every CP rank's tokens)."""
-        if self.cp.size == 1:
-            return per_token.mean()
-        return self.sequence_sum(per_token.sum()) / (per_token.numel() * self.cp.size)
-
-    def sequence_sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """A sum over whole sequences from this rank's part of it: under CP summed over the CP ranks,
-        by an all-reduce whose backward is again one (``hybridlm.parallel.context``: each rank's
-        gradient is then CP times its share, which DeepSpeed's average over DP x CP expects of a
-        value every CP rank holds)."""
-        return sum_over_context_parallel(partial, self.cp)
-
     def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,
                    in_sequence_region: bool = False) -> nn.Parameter:
         """Tag a parameter every TP rank holds whole. Inside the sequence-sharded region its
@@ -156,18 +143,6 @@ class ParallelPlan:
         """Output projection with a vocab-split weight (the tied embedding's or the head's)."""
         return column_parallel_matmul(x, weight, None, self.tp, self.sequence_parallel)
 
-    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-        """Per-token loss of vocab-split logits; columns from ``vocab_size`` on (padding) take no part."""
-        if self.tp.size == 1 and self.compiled_loss is not None:
-            return self.compiled_loss(logits if vocab_size is None else logits[..., :vocab_size], target)
-        return vocab_parallel_cross_entropy(logits, target, self.tp, vocab_size)
-
-    def compile_loss(self) -> None:
-        """With TP=1, compute the loss with a compiled cross-entropy: the fp32 upcast, softmax
-        and its gradient fuse into a pass or two over the logits instead of materialising
-        fp32 copies of a [tokens, vocab] tensor."""
-        self.compiled_loss = torch.compile(_local_cross_entropy)
-
     def split_rng(self):
         """Random context for activations split over TP (heads, sequence slices)."""
         return tensor_parallel_rng() if self.tp.size > 1 else contextlib.nullcontext()
@@ -188,10 +163,3 @@ class ParallelPlan:
             args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
                          else a for a in args)
         return self._checkpoint(function, *args)
-
-
-def _local_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy in fp32 of full-vocabulary logits [..., vocab] (TP=1)."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    return torch.nn.functional.cross_entropy(flat, target.reshape(-1), reduction="none",
-                                             ignore_index=IGNORE_INDEX).view(target.shape)

@@ -35,6 +35,7 @@ from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.lora import describe_adapters
+from ..parallel.loss import aux_loss_scale, step_loss
 from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import ParallelPlan
 from ..parallel.random import seed_everything
@@ -158,14 +159,14 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
                         **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
     model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective",
-                        loss=task.loss(plan))
+                        loss=task.loss(plan.loss))
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
-    set_aux_loss_scale(model, 1.0 / cfg.gradient_accumulation_steps)  # as DeepSpeed scales the LM loss
+    set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers, p.recompute_method)
     if cfg.model.torch_compile:
         compile_layers(model)
-        plan.compile_loss()
+        plan.loss.compile()
     # before deepspeed.initialize: its gradient hooks must come after the fusion's
     main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
 
@@ -263,21 +264,10 @@ def evaluate(run: Run, data=None, iters: Optional[int] = None) -> float:
             losses.append(engine.eval_batch(step).float())  # averaged over micro-batches and DP by DeepSpeed
             continue
         engine.eval()
-        micro = [engine(*next(step)).float() for _ in range(run.cfg.gradient_accumulation_steps)]
+        returned = sum(engine(*next(step)).float() for _ in range(run.cfg.gradient_accumulation_steps))
         engine.train()
-        losses.append(mean_over_data_ranks(run, torch.stack(micro).mean()))
+        losses.append(step_loss(returned, run.ps.grad_reduction, run.cfg.gradient_accumulation_steps))
     return torch.stack(losses).mean().item()
-
-
-def mean_over_data_ranks(run: Run, loss: torch.Tensor) -> torch.Tensor:
-    """A rank's loss averaged as DeepSpeed averages gradients, over DP x CP (``ps.grad_reduction``):
-    a CP rank's fine-tuning loss is its slice's share of the sum, its pretraining loss the whole
-    micro-batch's mean (the same on each CP rank)."""
-    group = run.ps.grad_reduction
-    if group.size > 1:
-        dist.all_reduce(loss, group=group.group)
-        loss /= group.size
-    return loss
 
 
 def release_cached_memory(run: Run, level: int) -> None:
@@ -309,7 +299,7 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
                 engine.step()
             total += micro_loss.detach().float()
         run.phase.first = None
-        loss = mean_over_data_ranks(run, total / run.cfg.gradient_accumulation_steps)
+        loss = step_loss(total, run.ps.grad_reduction, run.cfg.gradient_accumulation_steps)
     if run.cfg.model.num_experts is not None:
         end_moe_step(engine.module, run.ps.grad_reduction, run.cfg.model.moe_router_bias_update_rate)
     run.iteration += 1
