@@ -164,6 +164,7 @@ def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_
     from transformer_engine.common import recipe as te_recipe
 
     from hybridlm.model.cuda_graphs import capture_layers
+    from hybridlm.model.execution import compile_layer
     from hybridlm.model.transformer_engine import fp8_context, te_modules_in
     from hybridlm.model.wgrad_fusion import MainGrads
     layers, phase = _tiny_layers(fp8)
@@ -171,7 +172,7 @@ def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_
     reference, reference_phase = _tiny_layers(fp8)  # same parameters, its own (uncaptured) TE modules
     if compiled:  # compiled whole: capture must not be the first call (TE's warmup hooks would force a recompile there)
         for layer in layers + reference:
-            layer.compile_body()
+            compile_layer(layer)
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID) if fp8 else None
     context = (lambda: fp8_context(recipe)) if fp8 else contextlib.nullcontext
     hook_calls = []
@@ -241,6 +242,7 @@ def test_a_layer_compiled_whole_is_compiled_for_the_capture_before_the_warmup_ho
 
     from hybridlm.config import ModelConfig
     from hybridlm.model.cuda_graphs import _first_calls_outside_capture
+    from hybridlm.model.execution import compile_layer
     from hybridlm.model.gpt import TransformerLayer
     from hybridlm.parallel.plan import ParallelPlan
     torch._dynamo.reset()
@@ -248,7 +250,7 @@ def test_a_layer_compiled_whole_is_compiled_for_the_capture_before_the_warmup_ho
                       vocab_size=64, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)
     layers = [TransformerLayer(cfg, ParallelPlan(), layer_number=i) for i in range(2)]
     for layer in layers:
-        layer.compile_body(backend="eager")
+        compile_layer(layer, backend="eager")
     samples = tuple((torch.randn(8, 2, 32, requires_grad=True),) for _ in layers)
     _first_calls_outside_capture(layers, samples, recipe=None, calls=calls)
     hooks = [m.register_forward_hook(lambda *_: None) for layer in layers for m in layer.modules()]

@@ -178,7 +178,8 @@ def test_decoupled_lr_gives_embedding_and_output_their_own_rate_on_the_same_sche
 # ---------------------------------------------------------------- model flags
 
 def test_uniform_recompute_checkpoints_groups_of_layers_and_block_the_first_layers():
-    from hybridlm.model.specs import apply_recompute, build_model
+    from hybridlm.model.execution import apply_recompute
+    from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
     from hybridlm.parallel.plan import ParallelPlan
     from hybridlm.parallel.state import SINGLE
@@ -193,12 +194,10 @@ def test_uniform_recompute_checkpoints_groups_of_layers_and_block_the_first_laye
     losses = {}
     for method, n, units in ((None, None, 0), ("uniform", 2, 3), ("block", 2, 2), ("uniform", 1, 5)):
         torch.manual_seed(0)
-        plan = ParallelPlan()
-        plan._checkpoint = counting_checkpoint
-        model = build_model(cfg, plan)
+        model = build_model(cfg, ParallelPlan())
         init_parameters(model, 5, SINGLE)
         if method:
-            assert apply_recompute(model, n, method) == units
+            assert apply_recompute(model, n, method, checkpoint=counting_checkpoint) == units
         calls.clear()
         losses[method, n] = model(tokens, tokens).item()
         assert len(calls) == units

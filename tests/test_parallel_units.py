@@ -109,13 +109,14 @@ def test_same_seed_gives_same_full_model_at_any_tp_and_pp():
 
 def test_full_recompute_marks_first_layers_of_each_stage():
     from hybridlm.config import ModelConfig
-    from hybridlm.model.specs import apply_recompute, build_model
+    from hybridlm.model.execution import apply_recompute
+    from hybridlm.model.specs import build_model
     from hybridlm.parallel.plan import ParallelPlan
     cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=256, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
     model = build_model(cfg, ParallelPlan())
     assert apply_recompute(model, 3) == 3
-    flags = [m.recompute for m in model.forward_funcs if hasattr(m, "recompute")]
+    flags = model.layer_steps.recomputed()
     assert flags == [True, True, True, False]
 
 
@@ -124,7 +125,8 @@ def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
     import torch._dynamo.utils as dynamo_utils
 
     from hybridlm.config import ModelConfig
-    from hybridlm.model.specs import build_model, compile_layers
+    from hybridlm.model.execution import compile_layers
+    from hybridlm.model.specs import build_model
     from hybridlm.parallel.plan import ParallelPlan
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
@@ -143,7 +145,8 @@ def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_t
     import torch._dynamo.utils as dynamo_utils
 
     from hybridlm.config import ModelConfig
-    from hybridlm.model.specs import build_model, compile_layers
+    from hybridlm.model.execution import compile_layers
+    from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
     from hybridlm.parallel.plan import ParallelPlan
     from hybridlm.parallel.state import SINGLE
@@ -192,7 +195,8 @@ def _compiled_tp_graphs(flags: list[str]) -> list[list[str]]:
     import torch.distributed as dist
 
     from hybridlm.config import parse_args
-    from hybridlm.model.specs import build_model, compile_layers
+    from hybridlm.model.execution import compile_layers
+    from hybridlm.model.specs import build_model
     from hybridlm.parallel.plan import ParallelPlan
     from hybridlm.parallel.state import GroupHandle
     from hybridlm.training.trainer import prepare_config

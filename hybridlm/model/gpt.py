@@ -96,7 +96,7 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """``input_norm``: the norm before it, offered to the QKV linear to fuse (``qkv.owns_norm``)."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool, input_norm: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, input_norm: nn.Module | None = None):
         super().__init__()
         self.plan, self.head_dim = plan, cfg.kv_channels
         q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
@@ -113,9 +113,9 @@ class Attention(nn.Module):
                                    dropout=cfg.attention_dropout)
         self.core = plan.attention(core, make_block_attention(backend))
         self.dropout = cfg.attention_dropout
-        self.selective_recompute = selective_recompute
 
-    def _core(self, q, k, v, positions=None):
+    def attend(self, q, k, v, positions=None):
+        """The attention core (what selective recompute recomputes), with its dropout's random stream."""
         if not (self.dropout and self.training):
             # no random numbers drawn: skip the RNG-tracker fork (a state swap that also
             # splits a compiled layer into two graphs)
@@ -136,11 +136,7 @@ class Attention(nn.Module):
         v = v.reshape(s, b, -1, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
-        if self.selective_recompute and self.training:
-            out = self.plan.checkpoint(self._core, q, k, v, *(() if positions is None else (positions,)))
-        else:
-            out = self._core(q, k, v, positions)
-        return out.reshape(s, b, -1)
+        return self.attend(q, k, v, positions).reshape(s, b, -1)
 
 
 class MLP(nn.Module):
@@ -195,25 +191,21 @@ class MoEMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block number ``layer_number`` (0-based; it decides MoE or dense MLP).
-    ``recompute`` (set by ``apply_recompute``) recomputes it in backward; ``graph`` (set by
-    ``cuda_graphs.capture_layers``) replays it in training instead of running this code."""
+    """Pre-norm block number ``layer_number`` (0-based; it decides MoE or dense MLP). Only the
+    arithmetic: recompute, compile and CUDA graphs are wrappers applied to the layer list
+    (``hybridlm.model.execution``)."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, layer_number: int = 0, selective_recompute: bool = False):
+    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, layer_number: int = 0):
         super().__init__()
         self.plan = plan
         self.input_norm = make_norm(cfg, plan)
-        self.attention = Attention(cfg, plan, selective_recompute=selective_recompute, input_norm=self.input_norm)
+        self.attention = Attention(cfg, plan, input_norm=self.input_norm)
         self.post_attention_norm = make_norm(cfg, plan)
         if cfg.is_moe_layer(layer_number):  # the router reads the normalised input too: no fusion
             self.mlp = MoEMLP(cfg, plan, layer_number)
         else:
             self.mlp = MLP(cfg, plan, input_norm=self.post_attention_norm)
         self.dropout = cfg.hidden_dropout
-        self.recompute = False
-        self.recompute_unit: list = []  # --recompute-method uniform: the layers after this one in its unit
-        self.computed_by_unit = False  # ... and on those: the unit's first layer runs them in training
-        self.graph = None
 
     def attention_input(self, x):
         """What the attention block takes: the normalised residual, or the residual itself when
@@ -230,55 +222,17 @@ class TransformerLayer(nn.Module):
         with self.plan.region_rng():
             return F.dropout(x, self.dropout)
 
-    def _forward(self, x, positions=None):
+    def compute(self, x, positions=None):
+        """Hidden states [s, b, h] -> hidden states (``positions`` [b, s]: the rows' position ids, when the batch carries them)."""
         x = x + self._residual_dropout(self.attention(self.attention_input(x), positions))
         return x + self._residual_dropout(self.mlp(self.mlp_input(x)))
-
-    def compile_body(self, backend="inductor") -> None:
-        """torch.compile the layer's computation, leaving ``layer_context`` (Transformer
-        Engine's FP8 autocast, which dynamo cannot trace) and recompute outside the graph.
-
-        When the GEMMs run outside compiled graphs (Transformer Engine's), compiling the whole
-        body would cut it into a graph per fragment between them, each costing a guard check
-        and a compiled-function call forward and backward, for fragments as small as a residual
-        add; then only the pieces worth fusing are compiled: attention's middle (RoPE and the
-        attention core), the activation and the norms that no GEMM took over."""
-        if not self.plan.gemms_outside_graphs:
-            self._forward = torch.compile(self._forward, backend=backend)
-            return
-        self.attention.mix = torch.compile(self.attention.mix, backend=backend)
-        if not self.attention.qkv.owns_norm:
-            self.input_norm.compile(backend=backend)
-        if isinstance(self.mlp, MLP):
-            if not self.mlp.owns_norm:
-                self.post_attention_norm.compile(backend=backend)
-            if self.mlp.fused is None:
-                self.mlp.activation = torch.compile(self.mlp.activation, backend=backend)
-        else:
-            self.post_attention_norm.compile(backend=backend)
-            self.mlp.compile(backend=backend)
-
-    def _unit_forward(self, x, positions=None):
-        for layer in (self, *self.recompute_unit):
-            x = layer._forward(x, positions)
-        return x
 
     def forward(self, inputs):
         """hidden states -> hidden states, or (hidden states, position ids) -> the same pair."""
         if isinstance(inputs, tuple):
             x, positions = inputs
-            return self._run(x, positions), positions
-        if self.graph is not None and self.training:
-            return self.graph(inputs)  # FP8 autocast: the model's, around all layers
-        return self._run(inputs)
-
-    def _run(self, x, positions=None):
-        if self.computed_by_unit and self.training:
-            return x  # the first layer of its recompute unit ran this one
-        with self.plan.layer_context():
-            if self.recompute and self.training:
-                return self.plan.checkpoint(self._unit_forward, *((x,) if positions is None else (x, positions)))
-            return self._forward(x, positions)
+            return self.compute(x, positions), positions
+        return self.compute(inputs)
 
 
 class FinalNorm(nn.Module):

@@ -40,7 +40,7 @@ class _BetweenTPCrossings:
 class ParallelPlan:
     def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
                  cp: GroupHandle = SINGLE, cp_comm_type: str = "p2p", grad_reduction: GroupHandle = SINGLE,
-                 sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
+                 sequence_parallel: bool = False, device=None, dtype=None,
                  local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
                  local_norm_mlp: Callable | None = None,
                  layer_context: Callable = contextlib.nullcontext, kernels: Kernels | None = None):
@@ -58,7 +58,6 @@ class ParallelPlan:
         self.cp, self.cp_comm_type, self.grad_reduction = cp, cp_comm_type, grad_reduction
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.device, self.dtype = device, dtype
-        self._checkpoint = checkpoint
         self.local_matmul, self.local_norm_matmul, self.layer_context = local_matmul, local_norm_matmul, layer_context
         self.local_norm_mlp = local_norm_mlp
         self.kernels = kernels or reference_kernels()
@@ -150,16 +149,3 @@ class ParallelPlan:
     def region_rng(self):
         """Random context for activations in the sequence region (split only under SP)."""
         return self.split_rng() if self.sequence_parallel else contextlib.nullcontext()
-
-    def checkpoint(self, function: Callable, *args):
-        """Recompute ``function`` in backward (DeepSpeed's checkpoint: RNG- and TP-aware). A floating input
-        that needs no gradient (a frozen embedding's output under LoRA) is made to need one: the reentrant
-        checkpoint back-propagates into the recomputed region only through inputs that do, so the
-        adapters inside would get no gradient."""
-        if self._checkpoint is None:
-            from deepspeed import checkpointing
-            self._checkpoint = checkpointing.checkpoint
-        if torch.is_grad_enabled():
-            args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
-                         else a for a in args)
-        return self._checkpoint(function, *args)

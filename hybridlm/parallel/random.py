@@ -42,3 +42,15 @@ def tensor_parallel_rng():
     if _TP_STREAM not in tracker.get_states():
         return contextlib.nullcontext()
     return tracker.fork(_TP_STREAM)
+
+
+def recompute_in_backward(function, *args):
+    """``function(*args)`` keeping only its inputs, run again in backward (DeepSpeed's checkpoint:
+    it restores the RNG streams above, so dropout masks repeat, and partitions the kept inputs over
+    TP when configured to). A floating input that needs no gradient (a frozen embedding's output
+    under LoRA) is made to need one: the reentrant checkpoint back-propagates into the recomputed
+    region only through inputs that do, so the adapters inside would get no gradient."""
+    if torch.is_grad_enabled():
+        args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
+                     else a for a in args)
+    return ds_checkpointing.checkpoint(function, *args)

@@ -28,7 +28,8 @@ from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import resolve_backend
 from ..model.cuda_graphs import capture_layers
-from ..model.specs import apply_recompute, build_model, compile_layers, transformer_layers
+from ..model.execution import apply_recompute, apply_selective_recompute, compile_layers
+from ..model.specs import build_model, transformer_layers
 from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
                                         fp8_recipe, te_modules_in)
 from ..model.wgrad_fusion import MainGrads
@@ -158,12 +159,13 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
                         grad_reduction=ps.grad_reduction, sequence_parallel=p.sequence_parallel, device=device(),
                         **te_factories, layer_context=lambda: fp8_context(recipe),
                         kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
-    model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective",
-                        loss=task.loss(plan.loss))
+    model = build_model(cfg.model, plan, topology=ps.topology, loss=task.loss(plan.loss))
     init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
     set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers, p.recompute_method)
+    if p.recompute_granularity == "selective":
+        apply_selective_recompute(model)
     if cfg.model.torch_compile:
         compile_layers(model)
         plan.loss.compile()
