@@ -11,10 +11,12 @@ Every layer is built through a ``ParallelPlan`` (the layer factory from
 sequence-parallel; the plan hands out linears whose outputs or inputs are split and
 says where activations enter the sequence-sharded region. Each block takes one tensor
 and returns one, so the list of blocks is also the pipeline's list of stages' layers;
-with packed samples (fine-tuning) that "tensor" is the pair (activations, position ids
-[b, s]), which the pipeline engine sends between stages with the activations: the
-positions restart at 0 where a sample begins, which is all RoPE and attention need to
-keep samples apart.
+when the batch carries position ids [b, s] that "tensor" is the pair (activations, position
+ids), which the pipeline engine sends between stages with the activations. Packed samples
+(fine-tuning) restart their positions at 0 where a sample begins, which is all RoPE and
+attention need to keep samples apart; under context parallelism a rank's rows are slices of
+the sequence, and their positions say where each token sits in it (the data side slices them
+with the tokens), which is all RoPE needs of the layout.
 """
 from __future__ import annotations
 
@@ -104,8 +106,9 @@ class Attention(nn.Module):
                                       init_std=cfg.init_method_std, input_norm=input_norm)
         self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
-        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary, positions=plan.sequence_positions)
+        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
                        if cfg.position_embedding_type == "rope" else None)
+        self.packed = cfg.packed_samples  # position ids restart per sample (else: every row's are the same)
         backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape,
                                      packing=cfg.packed_samples)
         core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
@@ -128,15 +131,17 @@ class Attention(nn.Module):
 
     def mix(self, qkv, positions=None):
         """What lies between the two linears: split into heads, RoPE, attention, merge heads.
-        ``positions`` [b, s]: packed samples (RoPE at each token's own position, no attention across samples)."""
+        ``positions`` [b, s]: the rows' positions when the batch carries them: RoPE rotates each token by
+        its own, and packed samples (positions restarting) attend only within themselves."""
         q, k, v = qkv.split(self.qkv.local_sizes, dim=-1)
         s, b = q.shape[:2]
         q = q.view(s, b, -1, self.head_dim)
         k = k.reshape(s, b, -1, self.head_dim)
         v = v.reshape(s, b, -1, self.head_dim)
         if self.rotary is not None:
-            q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
-        return self.attend(q, k, v, positions).reshape(s, b, -1)
+            rope = positions if self.packed or positions is None else positions[0]  # unpacked rows: one table for all
+            q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
+        return self.attend(q, k, v, positions if self.packed else None).reshape(s, b, -1)
 
 
 class MLP(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..ops import Kernels, reference_kernels
-from .context import ContextParallelAttention, load_balanced_positions
+from .context import ContextParallelAttention
 from .loss import LossReducer
 from .moe import MoELayer
 from .random import tensor_parallel_rng
@@ -111,12 +111,6 @@ class ParallelPlan:
         if self.cp.size == 1:
             return core
         return ContextParallelAttention(self.cp, self.cp_comm_type, core, block_kernel)
-
-    def sequence_positions(self, length: int, device) -> torch.Tensor | None:
-        """Global positions of the ``length`` rows this rank holds (for RoPE); None: 0..length-1."""
-        if self.cp.size == 1:
-            return None
-        return load_balanced_positions(length * self.cp.size, self.cp.rank, self.cp.size, device=device)
 
     def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,
                    in_sequence_region: bool = False) -> nn.Parameter:
