@@ -133,7 +133,7 @@ def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradien
     from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
     from hybridlm.parallel.loss import LossReducer
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.state import SINGLE
     from hybridlm.parallel.tensor_parallel import IGNORE_INDEX
     from hybridlm.presets import LLAMA_BLOCK_SETTINGS
@@ -145,7 +145,7 @@ def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradien
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=96, seq_length=12,
                       untie_embeddings_and_output_weights=not tied, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 128
-    model = build_model(cfg, ParallelPlan(), loss=MaskedLMLoss(LossReducer(), cfg.vocab_size))
+    model = build_model(cfg, LayerFactory(), loss=MaskedLMLoss(LossReducer(), cfg.vocab_size))
     init_parameters(model, seed=0, tp=SINGLE)
     torch.manual_seed(0)
     seen = []

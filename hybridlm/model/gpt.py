@@ -6,10 +6,11 @@ config values; Mixtral-style MoE swaps the MLP of every k-th layer for routed ex
 Activations are [sequence, batch, hidden]: the layout sequence parallelism splits along
 dimension 0.
 
-Every layer is built through a ``ParallelPlan`` (the layer factory from
-``hybridlm.parallel.plan``): the blocks never ask whether they are tensor- or
-sequence-parallel; the plan hands out linears whose outputs or inputs are split and
-says where activations enter the sequence-sharded region. Each block takes one tensor
+Every layer is built through a ``LayerFactory`` (``hybridlm.parallel.plan``): the blocks
+never ask whether they are tensor-, sequence- or context-parallel; the factory hands out
+linears whose outputs or inputs are split, the attention core over the whole sequence, and
+says where activations enter the sequence-sharded region. A block holds only its
+arithmetic: how it runs (recompute, compile, CUDA graphs) is ``hybridlm.model.execution``'s. Each block takes one tensor
 and returns one, so the list of blocks is also the pipeline's list of stages' layers;
 when the batch carries position ids [b, s] that "tensor" is the pair (activations, position
 ids), which the pipeline engine sends between stages with the activations. Packed samples
@@ -27,7 +28,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops import reference as reference_ops
 from ..parallel.loss import LossReducer, loss_scales, scaled_loss
-from ..parallel.plan import ParallelPlan
+from ..parallel.plan import LayerFactory
 from ..parallel.tensor_parallel import scaled_init_std
 from .attention import Rotary
 from .attention_backends import make_attention_core, make_block_attention, resolve_backend
@@ -56,28 +57,28 @@ class LayerNorm1p(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
 
 
-def make_norm(cfg: ModelConfig, plan: ParallelPlan) -> nn.Module:
+def make_norm(cfg: ModelConfig, factory: LayerFactory) -> nn.Module:
     one_p = cfg.apply_layernorm_1p
     if cfg.normalization == "LayerNorm":
-        module = (LayerNorm1p if one_p else nn.LayerNorm)(cfg.hidden_size, eps=cfg.norm_epsilon, device=plan.device, dtype=plan.dtype)
+        module = (LayerNorm1p if one_p else nn.LayerNorm)(cfg.hidden_size, eps=cfg.norm_epsilon, device=factory.device, dtype=factory.dtype)
     else:
-        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=plan.device, dtype=plan.dtype, kernel=plan.kernels.rms_norm,
+        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=factory.device, dtype=factory.dtype, kernel=factory.kernels.rms_norm,
                          zero_centered=one_p)
-    return plan.norm(module, weight=0.0 if one_p else 1.0)
+    return factory.norm(module, weight=0.0 if one_p else 1.0)
 
 
 class Embedding(nn.Module):
     """Token ids [batch, seq] -> hidden states [seq, batch, hidden] in the layers' layout."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory):
         super().__init__()
-        self.plan = plan
-        self.word_embeddings = plan.embedding(cfg.padded_vocab_size, cfg.hidden_size, init_std=cfg.init_method_std)
+        self.factory, self.rng = factory, factory.rng
+        self.word_embeddings = factory.embedding(cfg.padded_vocab_size, cfg.hidden_size, init_std=cfg.init_method_std)
         mark_vocabulary_rows(self.word_embeddings.weight, cfg.vocab_size)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
-            table = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, device=plan.device, dtype=plan.dtype))
-            self.position_embeddings = plan.replicated(table, init_std=cfg.init_method_std)
+            table = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, device=factory.device, dtype=factory.dtype))
+            self.position_embeddings = factory.replicated(table, init_std=cfg.init_method_std)
         self.dropout = cfg.hidden_dropout
 
     def forward(self, inputs):
@@ -88,9 +89,9 @@ class Embedding(nn.Module):
         if self.position_embeddings is not None:
             table = self.position_embeddings
             x = x + (table[: x.shape[0]].unsqueeze(1) if positions is None else table[positions.t()])
-        x = self.plan.enter_sequence_region(x)
+        x = self.factory.enter_sequence_region(x)
         if self.dropout and self.training:
-            with self.plan.region_rng():
+            with self.rng.region():
                 x = F.dropout(x, self.dropout)
         return x if positions is None else (x, positions)
 
@@ -98,23 +99,23 @@ class Embedding(nn.Module):
 class Attention(nn.Module):
     """``input_norm``: the norm before it, offered to the QKV linear to fuse (``qkv.owns_norm``)."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, input_norm: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory, *, input_norm: nn.Module | None = None):
         super().__init__()
-        self.plan, self.head_dim = plan, cfg.kv_channels
+        self.rng, self.head_dim = factory.rng, cfg.kv_channels
         q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
-        self.qkv = plan.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+        self.qkv = factory.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear or cfg.add_qkv_bias,
                                       init_std=cfg.init_method_std, input_norm=input_norm)
-        self.proj = plan.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
+        self.proj = factory.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
-        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=plan.kernels.rotary)
+        self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=factory.kernels.rotary)
                        if cfg.position_embedding_type == "rope" else None)
         self.packed = cfg.packed_samples  # position ids restart per sample (else: every row's are the same)
         backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape,
                                      packing=cfg.packed_samples)
-        core = make_attention_core(backend, heads=cfg.num_attention_heads // plan.tp.size,
-                                   groups=cfg.num_query_groups // plan.tp.size, head_dim=cfg.kv_channels,
+        core = make_attention_core(backend, heads=cfg.num_attention_heads // factory.tp.size,
+                                   groups=cfg.num_query_groups // factory.tp.size, head_dim=cfg.kv_channels,
                                    dropout=cfg.attention_dropout)
-        self.core = plan.attention(core, make_block_attention(backend))
+        self.core = factory.attention(core, make_block_attention(backend))
         self.dropout = cfg.attention_dropout
 
     def attend(self, q, k, v, positions=None):
@@ -123,7 +124,7 @@ class Attention(nn.Module):
             # no random numbers drawn: skip the RNG-tracker fork (a state swap that also
             # splits a compiled layer into two graphs)
             return self.core(q, k, v, 0.0, positions)
-        with self.plan.split_rng():
+        with self.rng.split():
             return self.core(q, k, v, self.dropout, positions)
 
     def forward(self, x, positions=None):
@@ -148,18 +149,18 @@ class MLP(nn.Module):
     """``input_norm``: the norm before it, offered to fc1 (``fc1.owns_norm``) or to a fused
     norm + MLP block (Transformer Engine's LayerNormMLP); ``owns_norm`` says whether either took it."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, ffn_hidden_size: int | None = None, input_norm: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory, ffn_hidden_size: int | None = None, input_norm: nn.Module | None = None):
         super().__init__()
-        self.swiglu = plan.kernels.swiglu if cfg.swiglu else None  # [gate | up] -> silu(gate) * up
+        self.swiglu = factory.kernels.swiglu if cfg.swiglu else None  # [gate | up] -> silu(gate) * up
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
         blocks = [ffn] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
-        fuse_block = input_norm is not None and plan.fuses_norm_mlp(bias=cfg.add_bias_linear)
-        self.fc1 = plan.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std,
+        fuse_block = input_norm is not None and factory.fuses_norm_mlp(bias=cfg.add_bias_linear)
+        self.fc1 = factory.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std,
                                       input_norm=None if fuse_block else input_norm)
-        self.fc2 = plan.row_linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear,
+        self.fc2 = factory.row_linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear,
                                    init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         activation = "swiglu" if cfg.swiglu else "gelu_tanh"
-        self.fused = plan.norm_mlp(input_norm, self.fc1, self.fc2, activation) if fuse_block else None
+        self.fused = factory.norm_mlp(input_norm, self.fc1, self.fc2, activation) if fuse_block else None
         self.owns_norm = self.fused is not None or self.fc1.owns_norm
 
     def forward(self, x):
@@ -175,15 +176,15 @@ class MoEMLP(nn.Module):
     """Routed experts, plus a shared expert that every token also goes through when configured,
     its output scaled by sigmoid(x . g) with ``--moe-shared-expert-gate`` (Qwen2-MoE)."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, layer_number: int):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory, layer_number: int):
         super().__init__()
-        self.moe = plan.moe(cfg, layer_number)
+        self.moe = factory.moe(cfg, layer_number)
         shared = cfg.moe_shared_expert_intermediate_size
-        self.shared = MLP(cfg, plan, shared) if shared else None
+        self.shared = MLP(cfg, factory, shared) if shared else None
         self.shared_gate = None
         if cfg.moe_shared_expert_gate:
-            gate = nn.Parameter(torch.empty(1, cfg.hidden_size, device=plan.device, dtype=plan.dtype))
-            self.shared_gate = plan.replicated(gate, init_std=cfg.init_method_std, in_sequence_region=True)
+            gate = nn.Parameter(torch.empty(1, cfg.hidden_size, device=factory.device, dtype=factory.dtype))
+            self.shared_gate = factory.replicated(gate, init_std=cfg.init_method_std, in_sequence_region=True)
 
     def forward(self, x):
         y = self.moe(x)
@@ -200,16 +201,16 @@ class TransformerLayer(nn.Module):
     arithmetic: recompute, compile and CUDA graphs are wrappers applied to the layer list
     (``hybridlm.model.execution``)."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan, *, layer_number: int = 0):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory, *, layer_number: int = 0):
         super().__init__()
-        self.plan = plan
-        self.input_norm = make_norm(cfg, plan)
-        self.attention = Attention(cfg, plan, input_norm=self.input_norm)
-        self.post_attention_norm = make_norm(cfg, plan)
+        self.rng = factory.rng
+        self.input_norm = make_norm(cfg, factory)
+        self.attention = Attention(cfg, factory, input_norm=self.input_norm)
+        self.post_attention_norm = make_norm(cfg, factory)
         if cfg.is_moe_layer(layer_number):  # the router reads the normalised input too: no fusion
-            self.mlp = MoEMLP(cfg, plan, layer_number)
+            self.mlp = MoEMLP(cfg, factory, layer_number)
         else:
-            self.mlp = MLP(cfg, plan, input_norm=self.post_attention_norm)
+            self.mlp = MLP(cfg, factory, input_norm=self.post_attention_norm)
         self.dropout = cfg.hidden_dropout
 
     def attention_input(self, x):
@@ -224,7 +225,7 @@ class TransformerLayer(nn.Module):
     def _residual_dropout(self, x):
         if not (self.dropout and self.training):
             return x
-        with self.plan.region_rng():
+        with self.rng.region():
             return F.dropout(x, self.dropout)
 
     def compute(self, x, positions=None):
@@ -241,9 +242,9 @@ class TransformerLayer(nn.Module):
 
 
 class FinalNorm(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory):
         super().__init__()
-        self.norm = make_norm(cfg, plan)
+        self.norm = make_norm(cfg, factory)
 
     def forward(self, inputs):
         """The position ids stop here: the head and the loss need only the hidden states."""
@@ -253,9 +254,9 @@ class FinalNorm(nn.Module):
 class OutputLayer(nn.Module):
     """Untied head: hidden -> logits over this rank's share of the vocabulary."""
 
-    def __init__(self, cfg: ModelConfig, plan: ParallelPlan):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory):
         super().__init__()
-        self.linear = plan.column_linear(cfg.hidden_size, [cfg.padded_vocab_size], bias=False, init_std=cfg.init_method_std)
+        self.linear = factory.column_linear(cfg.hidden_size, [cfg.padded_vocab_size], bias=False, init_std=cfg.init_method_std)
         mark_vocabulary_rows(self.linear.weight, cfg.vocab_size)
 
     def forward(self, x):
@@ -264,7 +265,7 @@ class OutputLayer(nn.Module):
 
 def tied_output(embedding: Embedding, x):
     """Tied head: reuse the (vocab-split) input embedding as the output projection."""
-    return embedding.plan.lm_logits(x, embedding.word_embeddings.weight)
+    return embedding.factory.lm_logits(x, embedding.word_embeddings.weight)
 
 
 class LMLoss:

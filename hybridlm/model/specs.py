@@ -19,7 +19,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.lora import add_adapters
-from ..parallel.plan import ParallelPlan
+from ..parallel.loss import LossReducer
+from ..parallel.plan import LayerFactory
 from .execution import LayerSteps
 from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_output
 
@@ -27,13 +28,14 @@ TIED_KEY = "embed"
 TIED_ATTR = "word_embeddings.weight"
 
 
-def layer_specs(cfg: ModelConfig, plan: ParallelPlan) -> list:
+def layer_specs(cfg: ModelConfig, factory: LayerFactory) -> list:
     tied = not cfg.untie_embeddings_and_output_weights
-    embedding = TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, tied_weight_attr=TIED_ATTR) if tied else LayerSpec(Embedding, cfg, plan)
-    layers = [LayerSpec(TransformerLayer, cfg, plan, layer_number=i) for i in range(cfg.num_layers)]
-    head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
-            if tied else LayerSpec(OutputLayer, cfg, plan))
-    return [embedding, *layers, LayerSpec(FinalNorm, cfg, plan), head]
+    embedding = (TiedLayerSpec(TIED_KEY, Embedding, cfg, factory, tied_weight_attr=TIED_ATTR) if tied
+                 else LayerSpec(Embedding, cfg, factory))
+    layers = [LayerSpec(TransformerLayer, cfg, factory, layer_number=i) for i in range(cfg.num_layers)]
+    head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, factory, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
+            if tied else LayerSpec(OutputLayer, cfg, factory))
+    return [embedding, *layers, LayerSpec(FinalNorm, cfg, factory), head]
 
 
 class SequentialModel(nn.Module):
@@ -102,18 +104,21 @@ class PipelineModel(PipelineModule):
         return inputs
 
 
-def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, loss=None) -> nn.Module:
+def build_model(cfg: ModelConfig, factory: LayerFactory, *, topology=None, loss=None,
+                layer_context: Optional[Callable] = None) -> nn.Module:
     """A PipelineModel when ``topology`` has more than one stage, else a SequentialModel.
-    ``loss(logits, labels)`` ends the model (default: next-token prediction, ``LMLoss``)."""
-    specs = layer_specs(cfg, plan)
-    loss = loss or LMLoss(plan.loss, cfg.vocab_size)
+    ``loss(logits, labels)`` ends the model (default: next-token prediction, ``LMLoss``);
+    ``layer_context``: what the transformer layers run under (FP8 autocast), the first of the
+    execution wrappers (``hybridlm.model.execution``)."""
+    specs = layer_specs(cfg, factory)
+    loss = loss or LMLoss(LossReducer(factory.tp, factory.groups.cp, factory.sequence_parallel), cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
-        model = PipelineModel(layers=specs, loss_fn=loss, topology=topology, layer_context=plan.layer_context,
+        model = PipelineModel(layers=specs, loss_fn=loss, topology=topology, layer_context=layer_context,
                               partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
     else:
-        model = SequentialModel(specs, loss, context=plan.layer_context)
+        model = SequentialModel(specs, loss, context=layer_context)
     if cfg.lora_rank:  # adapters on this stage's target linears, the rest frozen (hybridlm.parallel.lora)
-        add_adapters(model, cfg, plan)
+        add_adapters(model, cfg, factory)
     return model
 
 

@@ -1,4 +1,5 @@
-"""TP-aware random streams for dropout, shared with DeepSpeed's activation checkpointing.
+"""TP-aware random streams for dropout, shared with DeepSpeed's activation checkpointing, and
+activation recompute itself.
 
 Two streams, as in Megatron:
   * the default generator, seeded identically on every TP rank: dropout on activations
@@ -42,6 +43,21 @@ def tensor_parallel_rng():
     if _TP_STREAM not in tracker.get_states():
         return contextlib.nullcontext()
     return tracker.fork(_TP_STREAM)
+
+
+class RandomStreams:
+    """Which stream a dropout draws from, by where its activations live (the two streams above)."""
+
+    def __init__(self, tp, sequence_parallel: bool):
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def split(self):
+        """Context for activations split over TP (heads, sequence slices)."""
+        return tensor_parallel_rng() if self.tp.size > 1 else contextlib.nullcontext()
+
+    def region(self):
+        """Context for activations in the sequence region (split only under SP)."""
+        return self.split() if self.sequence_parallel else contextlib.nullcontext()
 
 
 def recompute_in_backward(function, *args):

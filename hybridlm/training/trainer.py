@@ -1,10 +1,6 @@
-"""From a validated config to a trained model: set-up in a fixed order, then the loop.
-
-Order of set-up (each step needs the previous one):
-  flags + DeepSpeed JSON -> validated RunConfig       (no process group yet: bad input fails here)
-  process group -> ParallelState -> seeds
-  model specs -> PipelineModule (PP>1) or SequentialModel -> layout-independent init
-  recompute flags -> optimizer + schedule -> deepspeed.initialize -> resume -> data
+"""From a validated config to a trained model: ``prepare_config`` (flags + DeepSpeed JSON -> a
+validated RunConfig, before any process group: bad input fails there), ``build_run`` (the set-up,
+each part made from the ones before it), then the loop.
 """
 from __future__ import annotations
 
@@ -36,9 +32,9 @@ from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.lora import describe_adapters
-from ..parallel.loss import aux_loss_scale, step_loss
+from ..parallel.loss import LossReducer, aux_loss_scale, step_loss
 from ..parallel.moe import end_moe_step, set_aux_loss_scale
-from ..parallel.plan import ParallelPlan
+from ..parallel.plan import LayerFactory, LocalOps, ModelGroups
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
 from . import checkpoint
@@ -140,8 +136,33 @@ class Run:
 
 
 def build_run(cfg: RunConfig, ds_config: dict) -> Run:
-    """Everything after validation: process groups, model, engine, resume."""
+    """Everything after validation, each part built from the ones before it: process groups, the
+    model (its layers, weights and execution policy), the engine around it, the resumed state,
+    and CUDA graphs of the layers where the engine placed them."""
     task = build_task(cfg)
+    ps = start_process_groups(cfg)
+    phase = MicroBatchPhase()  # where a forward sits in the step: TE's FP8 weight cache reads it
+    factory = layer_factory(cfg, ps, phase)
+    reducer = LossReducer(ps.tp, ps.cp, factory.sequence_parallel)
+    recipe = fp8_recipe(cfg.model)
+    model = build_model(cfg.model, factory, topology=ps.topology, loss=task.loss(reducer),
+                        layer_context=lambda: fp8_context(recipe))
+    init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
+    set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
+    apply_execution_policy(cfg, model, reducer)
+    # before deepspeed.initialize: its gradient hooks must come after the fusion's
+    main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
+    engine = start_engine(cfg, ds_config, model, ps)
+    run = Run(cfg, ps, engine, cfg.parallel.pipeline_model_parallel_size > 1, *task.datasets(), task, phase=phase,
+              main_grads=main_grads)
+    resume(run)
+    if cfg.model.cuda_graphs:
+        capture(run, recipe)
+    return run
+
+
+def start_process_groups(cfg: RunConfig) -> ParallelState:
+    """The process group, the layout's groups, the seeds, and DeepSpeed's activation checkpointing."""
     init_distributed(cfg.train.distributed_timeout_minutes)
     p = cfg.parallel
     ps = ParallelState(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
@@ -149,59 +170,65 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     seed_everything(cfg.train.seed, ps.tp.rank, ps.pp.rank)
     if p.recompute_granularity:
         deepspeed.checkpointing.configure(ps, partition_activations=p.partition_activations)
+    return ps
 
-    te = cfg.model.transformer_impl == "transformer_engine"
-    recipe = fp8_recipe(cfg.model)
-    phase = MicroBatchPhase()
-    te_factories = dict(local_matmul=partial(TELocalMatmul, phase=phase), local_norm_matmul=partial(TELocalNormMatmul, phase=phase),
-                        local_norm_mlp=partial(TELocalNormMLP, phase=phase)) if te else {}
-    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, cp=ps.cp, cp_comm_type=p.cp_comm_type,
-                        grad_reduction=ps.grad_reduction, sequence_parallel=p.sequence_parallel, device=device(),
-                        **te_factories, layer_context=lambda: fp8_context(recipe),
-                        kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
-    model = build_model(cfg.model, plan, topology=ps.topology, loss=task.loss(plan.loss))
-    init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
-    set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
+
+def layer_factory(cfg: RunConfig, ps: ParallelState, phase: MicroBatchPhase) -> LayerFactory:
+    """The factory the blocks are built with: this layout's groups, and the rank-local implementations
+    (--transformer-impl's GEMMs, --fused-ops' kernels)."""
+    p = cfg.parallel
+    kernels = select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device())
+    ops = LocalOps(kernels=kernels)
+    if cfg.model.transformer_impl == "transformer_engine":
+        ops = LocalOps(kernels=kernels, matmul=partial(TELocalMatmul, phase=phase), norm_matmul=partial(TELocalNormMatmul, phase=phase),
+                       norm_mlp=partial(TELocalNormMLP, phase=phase))
+    return LayerFactory(ModelGroups.of(ps), sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type, ops=ops,
+                        device=device())
+
+
+def apply_execution_policy(cfg: RunConfig, model, reducer: LossReducer) -> None:
+    """Recompute, then compile (hybridlm.model.execution), on the initialised model."""
+    p = cfg.parallel
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers, p.recompute_method)
     if p.recompute_granularity == "selective":
         apply_selective_recompute(model)
     if cfg.model.torch_compile:
         compile_layers(model)
-        plan.loss.compile()
-    # before deepspeed.initialize: its gradient hooks must come after the fusion's
-    main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
+        reducer.compile()
 
+
+def start_engine(cfg: RunConfig, ds_config: dict, model, ps: ParallelState):
+    """The optimizer (ours unless the JSON names one) and deepspeed.initialize around the model."""
+    p, t = cfg.parallel, cfg.train
     offloading = offload_device(ds_config, "optimizer") is not None
     optimizer = None
     if "optimizer" not in ds_config:
-        optimizer, clips_itself = build_optimizer(model, cfg.train, ps, zero_stage=p.zero_stage,
-                                                  offloading=offloading, on_gpu=on_gpu())
+        optimizer, clips_itself = build_optimizer(model, t, ps, zero_stage=p.zero_stage, offloading=offloading, on_gpu=on_gpu())
         if clips_itself:
             ds_config["gradient_clipping"] = 0.0
         if offloading and not type(optimizer).__name__.startswith("DeepSpeed"):
             ds_config["zero_force_ds_cpu_optimizer"] = False
-    t = cfg.train
-    is_pipeline = p.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
-        lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
-    train_data, valid_data = task.datasets()
-    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, task, phase=phase, main_grads=main_grads)
-    task.prepare(run)  # DPO: the reference log-probabilities, before the policy is loaded
+        lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if p.pipeline_model_parallel_size > 1 else ps)
+    return engine
+
+
+def resume(run: Run) -> None:
+    """What the task computes before the weights are loaded, --load, and what it computes after."""
+    t = run.cfg.train
+    run.task.prepare(run)  # DPO: the reference log-probabilities, before the policy is loaded
     if t.load:
-        client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
+        client_state = checkpoint.load(run.engine, t.load, t.ckpt_step, cfg=run.cfg, ps=run.ps)
         if client_state is None:
             if dist.get_rank() == 0:
                 print(f"--load {t.load}: no checkpoint there yet; starting from iteration 0", flush=True)
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
-    task.loaded(run)
-    if cfg.model.cuda_graphs:
-        capture(run, recipe)
-    return run
+    run.task.loaded(run)
 
 
 def capture(run: Run, recipe) -> None:
