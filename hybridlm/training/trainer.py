@@ -32,7 +32,7 @@ from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.lora import describe_adapters
-from ..parallel.loss import LossReducer, aux_loss_scale, step_loss
+from ..parallel.loss import LossReducer, aux_loss_scale
 from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import LayerFactory, LocalOps, ModelGroups
 from ..parallel.random import seed_everything
@@ -47,6 +47,7 @@ from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
+from .step import release_cached_memory, run_step
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
@@ -282,55 +283,21 @@ def evaluate(run: Run, data=None, iters: Optional[int] = None) -> float:
     batch as the task's loss sees it in training. On the validation split (the default), as in
     Megatron-LM, each evaluation draws the batches after the previous one's, so the validation samples
     are fresh each time (and the same after a resume); other data is read from its start."""
-    engine, t = run.engine, run.cfg.train
+    t = run.cfg.train
     first = evaluations_before(run.iteration, t.eval_interval) * t.eval_iters if data is None else 0
     batches = data_iterator(run, run.valid_data if data is None else data, start_iteration=first)
     losses = []
     for _ in range(t.eval_iters if iters is None else iters):
         release_cached_memory(run, 1)
-        step = run.task.step_batches(run, batches)
-        if run.is_pipeline:
-            losses.append(engine.eval_batch(step).float())  # averaged over micro-batches and DP by DeepSpeed
-            continue
-        engine.eval()
-        returned = sum(engine(*next(step)).float() for _ in range(run.cfg.gradient_accumulation_steps))
-        engine.train()
-        losses.append(step_loss(returned, run.ps.grad_reduction, run.cfg.gradient_accumulation_steps))
+        losses.append(run_step(run, run.task.step_batches(run, batches), train=False).float())
     return torch.stack(losses).mean().item()
-
-
-def release_cached_memory(run: Run, level: int) -> None:
-    """--empty-unused-memory-level: give the CUDA caching allocator's free blocks back at ``level``."""
-    if run.cfg.train.empty_unused_memory_level >= level and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     """One optimizer step over the global batch; returns the loss averaged over it (every rank)."""
-    engine = run.engine
-    batches = run.task.step_batches(run, batches)  # this step's micro-batches, with what the task's loss needs
-    if run.is_pipeline:
-        loss = engine.train_batch(batches)
-    else:
-        total = torch.zeros((), device=engine.device)
-        if run.main_grads is not None:
-            run.main_grads.zero_()
-        for micro in range(run.cfg.gradient_accumulation_steps):
-            with record_function("hybridlm.next_batch"):  # names in a --profile-step-range trace
-                inputs, labels = next(batches)
-            run.phase.first = micro == 0
-            with record_function("hybridlm.forward"):
-                micro_loss = engine(inputs, labels)
-            with record_function("hybridlm.backward"):
-                engine.backward(micro_loss)
-            release_cached_memory(run, 2)
-            with record_function("hybridlm.step"):
-                engine.step()
-            total += micro_loss.detach().float()
-        run.phase.first = None
-        loss = step_loss(total, run.ps.grad_reduction, run.cfg.gradient_accumulation_steps)
+    loss = run_step(run, run.task.step_batches(run, batches), train=True)
     if run.cfg.model.num_experts is not None:
-        end_moe_step(engine.module, run.ps.grad_reduction, run.cfg.model.moe_router_bias_update_rate)
+        end_moe_step(run.engine.module, run.ps.grad_reduction, run.cfg.model.moe_router_bias_update_rate)
     run.iteration += 1
     return loss
 
