@@ -35,7 +35,8 @@ def micro_batches(stream, *, micro_batch_size: int, global_batch_size: int, dp_r
         for m in range(accumulation):
             first = iteration * global_batch_size + m * per_micro_step + dp_rank * micro_batch_size
             inputs, labels = stream.batch(first, micro_batch_size)
-            inputs, labels = context_slice(with_positions(inputs, cp_size), cp_rank, cp_size), context_slice(labels, cp_rank, cp_size)
+            inputs = context_slice(with_positions(inputs, cp_size), cp_rank, cp_size)
+            labels = context_slice(labels, cp_rank, cp_size)
             yield to_device(inputs, device), to_device(labels, device)
         iteration += 1
 

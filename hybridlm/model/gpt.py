@@ -58,12 +58,11 @@ class LayerNorm1p(nn.LayerNorm):
 
 
 def make_norm(cfg: ModelConfig, factory: LayerFactory) -> nn.Module:
-    one_p = cfg.apply_layernorm_1p
+    one_p, place = cfg.apply_layernorm_1p, dict(device=factory.device, dtype=factory.dtype)
     if cfg.normalization == "LayerNorm":
-        module = (LayerNorm1p if one_p else nn.LayerNorm)(cfg.hidden_size, eps=cfg.norm_epsilon, device=factory.device, dtype=factory.dtype)
+        module = (LayerNorm1p if one_p else nn.LayerNorm)(cfg.hidden_size, eps=cfg.norm_epsilon, **place)
     else:
-        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, device=factory.device, dtype=factory.dtype, kernel=factory.kernels.rms_norm,
-                         zero_centered=one_p)
+        module = RMSNorm(cfg.hidden_size, cfg.norm_epsilon, **place, kernel=factory.kernels.rms_norm, zero_centered=one_p)
     return factory.norm(module, weight=0.0 if one_p else 1.0)
 
 
@@ -77,13 +76,15 @@ class Embedding(nn.Module):
         mark_vocabulary_rows(self.word_embeddings.weight, cfg.vocab_size)
         self.position_embeddings = None
         if cfg.position_embedding_type == "learned_absolute":
-            table = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, device=factory.device, dtype=factory.dtype))
+            table = nn.Parameter(torch.empty(cfg.max_position_embeddings, cfg.hidden_size, device=factory.device,
+                                             dtype=factory.dtype))
             self.position_embeddings = factory.replicated(table, init_std=cfg.init_method_std)
         self.dropout = cfg.hidden_dropout
 
     def forward(self, inputs):
-        """``inputs``: tokens [b, s], or (tokens, position ids [b, s]) for packed samples (then the
-        output is (hidden states, position ids) for the layers after it)."""
+        """``inputs``: tokens [b, s], or (tokens, position ids [b, s]) when the batch carries them
+        (packed samples; context parallelism): then the output is (hidden states, position ids) for
+        the layers after it."""
         tokens, positions = inputs if isinstance(inputs, tuple) else (inputs, None)
         x = self.word_embeddings(tokens.t())
         if self.position_embeddings is not None:
@@ -104,9 +105,9 @@ class Attention(nn.Module):
         self.rng, self.head_dim = factory.rng, cfg.kv_channels
         q, kv = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
         self.qkv = factory.column_linear(cfg.hidden_size, [q, kv, kv], bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-                                      init_std=cfg.init_method_std, input_norm=input_norm)
+                                         init_std=cfg.init_method_std, input_norm=input_norm)
         self.proj = factory.row_linear(q, cfg.hidden_size, bias=cfg.add_bias_linear,
-                                    init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+                                       init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         self.rotary = (Rotary(cfg.kv_channels, cfg.rotary_base, kernel=factory.kernels.rotary)
                        if cfg.position_embedding_type == "rope" else None)
         self.packed = cfg.packed_samples  # position ids restart per sample (else: every row's are the same)
@@ -149,16 +150,17 @@ class MLP(nn.Module):
     """``input_norm``: the norm before it, offered to fc1 (``fc1.owns_norm``) or to a fused
     norm + MLP block (Transformer Engine's LayerNormMLP); ``owns_norm`` says whether either took it."""
 
-    def __init__(self, cfg: ModelConfig, factory: LayerFactory, ffn_hidden_size: int | None = None, input_norm: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, factory: LayerFactory, ffn_hidden_size: int | None = None,
+                 input_norm: nn.Module | None = None):
         super().__init__()
         self.swiglu = factory.kernels.swiglu if cfg.swiglu else None  # [gate | up] -> silu(gate) * up
         ffn = ffn_hidden_size or cfg.ffn_hidden_size
         blocks = [ffn] * (2 if cfg.swiglu else 1)  # SwiGLU: [gate; up] in one matmul
         fuse_block = input_norm is not None and factory.fuses_norm_mlp(bias=cfg.add_bias_linear)
         self.fc1 = factory.column_linear(cfg.hidden_size, blocks, bias=cfg.add_bias_linear, init_std=cfg.init_method_std,
-                                      input_norm=None if fuse_block else input_norm)
+                                         input_norm=None if fuse_block else input_norm)
         self.fc2 = factory.row_linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear,
-                                   init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+                                      init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
         activation = "swiglu" if cfg.swiglu else "gelu_tanh"
         self.fused = factory.norm_mlp(input_norm, self.fc1, self.fc2, activation) if fuse_block else None
         self.owns_norm = self.fused is not None or self.fc1.owns_norm
@@ -229,7 +231,8 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.dropout)
 
     def compute(self, x, positions=None):
-        """Hidden states [s, b, h] -> hidden states (``positions`` [b, s]: the rows' position ids, when the batch carries them)."""
+        """The block's arithmetic: hidden states [s, b, h] -> hidden states; ``positions`` [b, s]: the
+        rows' position ids, when the batch carries them."""
         x = x + self._residual_dropout(self.attention(self.attention_input(x), positions))
         return x + self._residual_dropout(self.mlp(self.mlp_input(x)))
 

@@ -65,7 +65,7 @@ class SequentialModel(nn.Module):
         self.layer_steps = LayerSteps(self.forward_funcs, context)
 
     def forward(self, inputs, labels=None):
-        """``inputs``: tokens, or (tokens, position ids) for packed rows; ``labels``: what the loss takes."""
+        """``inputs``: tokens, or (tokens, position ids) when the batch carries them; ``labels``: what the loss takes."""
         x = inputs
         first, end = self.layer_steps.span
         for layer in self.forward_funcs[:first]:

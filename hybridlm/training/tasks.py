@@ -81,10 +81,15 @@ class PretrainTask:
         step = itertools.islice(batches, gas)
         if self.scales is None:  # the first step: every micro-batch of every step counts as many tokens as this one
             first = next(step)
-            counts = global_counts(LMLoss.counts(first[1]) * gas, run.ps.grad_reduction)
-            self.scales = loss_scales(counts, run.ps.grad_reduction.size, gas)
+            _, self.scales = self.step_counts(run, [LMLoss.counts(first[1]) * gas])
             step = itertools.chain([first], step)
         return ((inputs, (labels, self.scales)) for inputs, labels in step)
+
+    def step_counts(self, run, local_counts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's global counts, the loss scales they give) from this rank's counts (device
+        tensors, summed over the step's micro-batches): one all-reduce over DP x CP, one division."""
+        counts = global_counts(torch.cat(local_counts), run.ps.grad_reduction)
+        return counts, loss_scales(counts, run.ps.grad_reduction.size, self.cfg.gradient_accumulation_steps)
 
     def log_values(self, run, seconds: float) -> dict:
         """Extra values for the log record since the last call (collective)."""
@@ -99,7 +104,7 @@ class PretrainTask:
 
 
 class ChatTask(PretrainTask):
-    """What SFT and DPO share: the chat data, its tokenizer check, the global counts."""
+    """What SFT and DPO share: the chat data, its tokenizer check, the loss tokens it logs."""
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)
@@ -121,12 +126,6 @@ class ChatTask(PretrainTask):
     def pad_id(self) -> int:
         d = self.cfg.data
         return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file).pad
-
-    def step_counts(self, run, local_counts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the step's global counts, the loss scales of its first ``terms``) from this rank's counts
-        (device tensors, summed over the step's micro-batches): one all-reduce per step."""
-        counts = global_counts(torch.cat(local_counts), run.ps.grad_reduction)
-        return counts, loss_scales(counts, run.ps.grad_reduction.size, self.cfg.gradient_accumulation_steps)
 
     def log_values(self, run, seconds: float) -> dict:
         # the counts stay on the device through the steps; read here, after the log's own synchronisation

@@ -181,8 +181,8 @@ def layer_factory(cfg: RunConfig, ps: ParallelState, phase: MicroBatchPhase) -> 
     kernels = select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device())
     ops = LocalOps(kernels=kernels)
     if cfg.model.transformer_impl == "transformer_engine":
-        ops = LocalOps(kernels=kernels, matmul=partial(TELocalMatmul, phase=phase), norm_matmul=partial(TELocalNormMatmul, phase=phase),
-                       norm_mlp=partial(TELocalNormMLP, phase=phase))
+        ops = LocalOps(kernels=kernels, matmul=partial(TELocalMatmul, phase=phase),
+                       norm_matmul=partial(TELocalNormMatmul, phase=phase), norm_mlp=partial(TELocalNormMLP, phase=phase))
     return LayerFactory(ModelGroups.of(ps), sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type, ops=ops,
                         device=device())
 
