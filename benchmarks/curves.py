@@ -1,13 +1,19 @@
-"""Does a layout's loss curve track one GPU's? 200 steps twice (one rank, then the layout), compared.
+"""Does a layout's loss curve track one GPU's? 200 steps twice or more (one rank, then each layout), compared.
 
     python benchmarks/curves.py dense|moe [--gpus 8] [--record-file R.jsonl]
+    python benchmarks/curves.py dense|moe --gpus 4 [--layouts dp4-zero1,cp4-p2p] [--record-file R.jsonl]
 
 With ``--gpus 8`` (the benchmark suite's curve-*-8gpu cases): dense is the reference block at 24
 layers (1.3B) at TP=2 SP x PP=2 x DP=2, compiled; moe a Mixtral-style d1024 L16 with 8 experts
-top-2 at EP=4 x DP=8; bf16, ZeRO-1. Without it (curve-*-cpu): the built-in tiny model at the same
-layouts on 8 gloo ranks of this CPU, fp32. Same seed, data (the built-in corpus) and global batch
-in both runs, so the curves differ by rounding only; ``scripts/compare_runs.py``'s comparison
-(windows of 10 steps) decides, and the record keeps the largest windowed gap.
+top-2 at EP=4 x DP=8; bf16, ZeRO-1. With ``--gpus 4`` (curve-*-4gpu cases): a 120M Llama-style model
+(d1024 L10, GQA 16/8 heads, seq 1024) or a Mixtral-style one (d768 L8, 8 experts top-2, 240M) in bf16
+against one GPU at each of the layouts in ``LAYOUTS_4GPU`` (every parallel dimension and product a
+four-GPU machine holds), with the replica check on (``--check-weight-hash-across-dp-replicas-interval
+50``). Without ``--gpus`` (curve-*-cpu): the built-in tiny model at the 8-GPU layouts on 8 gloo ranks of
+this CPU, fp32. Same seed, data (the built-in corpus, ~0.5M byte tokens: the GPU runs see it several
+times over) and global batch in every run, so the curves differ by rounding only;
+``scripts/compare_runs.py``'s comparison (windows of 10 steps) decides, and the record keeps the
+largest windowed gap and both curves (``python -m benchmarks render`` plots them).
 """
 from __future__ import annotations
 
@@ -43,6 +49,38 @@ SHAPES = {
 COMMON = ["--deepspeed_config", "ds_configs/zero1.json", "--train-iters", "200", "--log-interval", "1", "--seed", "1234"]
 ON_GPUS = ["--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "20"]
 
+# The four-GPU cases: one model per kind (on the built-in corpus, byte vocabulary) and every layout of four GPUs.
+MODELS_4GPU = {
+    "dense": (["--num-layers", "10", "--hidden-size", "1024", "--num-attention-heads", "16", "--group-query-attention",
+               "--num-query-groups", "8", "--ffn-hidden-size", "2816", "--seq-length", "1024", "--micro-batch-size", "2"],
+              "Llama-style d1024 L10 (120M), GQA 16/8, seq 1024"),
+    "moe": (["--num-layers", "8", "--hidden-size", "768", "--num-attention-heads", "12", "--group-query-attention",
+             "--num-query-groups", "4", "--ffn-hidden-size", "2048", "--num-experts", "8", "--moe-router-topk", "2",
+             "--moe-ffn-hidden-size", "1536", "--moe-aux-loss-coeff", "0.01", "--seq-length", "1024", "--micro-batch-size", "2"],
+            "Mixtral-style d768 L8, 8 experts of 1536 top-2 (240M, 70M active), seq 1024"),
+}
+TINY_BLOCK = ["--model", "tiny"]  # the Llama block, optimiser and byte tokenizer of the built-in run; the shape above wins
+TP2, SP = ["--tensor-model-parallel-size", "2"], ["--sequence-parallel"]
+LAYOUTS_4GPU = {
+    "dense": {
+        "dp4-zero1": ([], "DP=4 ZeRO-1"),
+        "dp4-zero3": (["--deepspeed_config", "ds_configs/zero3.json"], "DP=4 ZeRO-3"),
+        "tp2-sp-dp2": (TP2 + SP, "TP=2 SP x DP=2"),
+        "tp2-pp2": (TP2 + ["--pipeline-model-parallel-size", "2"], "TP=2 x PP=2"),
+        "pp2-dp2": (["--pipeline-model-parallel-size", "2"], "PP=2 x DP=2"),
+        "cp2-p2p-dp2": (["--context-parallel-size", "2", "--cp-comm-type", "p2p"], "CP=2 p2p x DP=2"),
+        "cp2-a2a-tp2": (["--context-parallel-size", "2", "--cp-comm-type", "a2a"] + TP2, "CP=2 a2a x TP=2"),
+        "cp4-p2p": (["--context-parallel-size", "4", "--cp-comm-type", "p2p"], "CP=4 p2p"),
+        "cp4-a2a": (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], "CP=4 a2a"),
+    },
+    "moe": {
+        "ep2-dp2": (["--expert-model-parallel-size", "2"], "EP=2 x DP=2"),
+        "ep2-cp2": (["--expert-model-parallel-size", "2", "--context-parallel-size", "2"], "EP=2 x CP=2 (p2p)"),
+    },
+}
+BATCH_4GPU, SKIP_4GPU, TOLERANCE_4GPU = 16, 10, 0.03
+REPLICA_CHECK = ["--check-weight-hash-across-dp-replicas-interval", "50"]
+
 
 def train(ranks: int, flags: list[str], metrics: str, log: str, on_cpu: bool) -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1") if on_cpu else None
@@ -51,16 +89,63 @@ def train(ranks: int, flags: list[str], metrics: str, log: str, on_cpu: bool) ->
                        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, check=True)
 
 
+def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None) -> int:
+    """One GPU, then each layout on four; one record per layout (its gap, both curves); 1 if any diverges."""
+    model, words = MODELS_4GPU[what]
+    flags = COMMON + TINY_BLOCK + model + ON_GPUS + REPLICA_CHECK + ["--global-batch-size", str(BATCH_4GPU)]
+    one = os.path.join(work, "one.jsonl")
+    train(1, flags, one, os.path.join(work, "one.log"), on_cpu=False)
+    reference, failures = load_losses(one), 0
+    for name in layouts:
+        layout, layout_words = LAYOUTS_4GPU[what][name]
+        metrics = os.path.join(work, f"{name}.jsonl")
+        label = f"{words}: {layout_words} vs 1 GPU, bf16, gbs {BATCH_4GPU}, 200 steps, replica check every 50"
+        try:
+            train(4, flags + layout, metrics, os.path.join(work, f"{name}.log"), on_cpu=False)
+        except subprocess.CalledProcessError as e:
+            failures += 1
+            print(f"{layout_words}: the run failed (exit {e.returncode}); its log: {os.path.join(work, name + '.log')}", flush=True)
+            if record_file:
+                append(record_file, script_record("python benchmarks/curves.py", [what, "--gpus", "4", "--layouts", name], label,
+                                                  {}, status="failed", error=f"exit {e.returncode}"))
+            continue
+        curve = load_losses(metrics)
+        result = compare(reference, curve, window=10, skip=SKIP_4GPU)
+        tracks = result.max_gap <= TOLERANCE_4GPU
+        failures += not tracks
+        print(f"{words}, {layout_words}: largest windowed loss gap {100 * result.max_gap:.2f}% over 200 steps against 1 GPU "
+              f"(steps {result.worst_window[0]}-{result.worst_window[1]}; tolerance {100 * TOLERANCE_4GPU:.0f}%): "
+              f"{'tracks' if tracks else 'DIVERGES'}", flush=True)
+        if record_file:
+            gap = f"{100 * result.max_gap:.2f}% (window 10, after step {SKIP_4GPU})"
+            verdict = {} if tracks else dict(status="failed", error=f"diverges: windowed gap {gap}, tolerance {100 * TOLERANCE_4GPU:.0f}%")
+            append(record_file, script_record(
+                "python benchmarks/curves.py", [what, "--gpus", "4", "--layouts", name], label,
+                {"max windowed loss gap": gap, "verdict": "tracks" if tracks else "DIVERGES"}, **verdict,
+                curve={"layout": name, "reference": [reference[i] for i in sorted(reference)], "losses": [curve[i] for i in sorted(curve)]}))
+    return 1 if failures else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("dense", "moe"))
-    parser.add_argument("--gpus", type=int, default=0, help="8: the GPU cases; 0: 8 gloo ranks on this CPU")
+    parser.add_argument("--gpus", type=int, default=0, help="8 or 4: the GPU cases; 0: 8 gloo ranks on this CPU")
+    parser.add_argument("--layouts", default=None, help=f"with --gpus 4: a comma list of {', '.join(n for v in LAYOUTS_4GPU.values() for n in v)}"
+                        " (default: all of the model's)")
     parser.add_argument("--record-file", default=None)
     parser.add_argument("--workdir", default=None, help="where the metrics files and logs go (default: a temporary folder)")
     args = parser.parse_args()
+    work = args.workdir or tempfile.mkdtemp(prefix=f"curves_{args.what}_")
+    if args.gpus == 4:
+        layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS_4GPU[args.what])
+        unknown = [n for n in layouts if n not in LAYOUTS_4GPU[args.what]]
+        if unknown:
+            parser.error(f"--layouts: {unknown[0]!r} is not a four-GPU {args.what} layout ({', '.join(LAYOUTS_4GPU[args.what])})")
+        return four_gpus(args.what, layouts, work, args.record_file)
+    if args.gpus not in (0, 8):
+        parser.error("--gpus takes 8 or 4 (0: the CPU case)")
     model, layout, batch, words, skip, tolerance = SHAPES[(args.what, args.gpus > 0)]
     flags = COMMON + model + (ON_GPUS if args.gpus else []) + ["--global-batch-size", str(batch)]
-    work = args.workdir or tempfile.mkdtemp(prefix=f"curves_{args.what}_")
     one, many = os.path.join(work, "one.jsonl"), os.path.join(work, "many.jsonl")
     train(1, flags, one, os.path.join(work, "one.log"), on_cpu=not args.gpus)
     train(args.gpus or 8, flags + layout, many, os.path.join(work, "many.log"), on_cpu=not args.gpus)

@@ -108,6 +108,7 @@ def megatron_args(run, *, iters: int) -> list[str]:
     args += [] if m.add_bias_linear else ["--disable-bias-linear"]
     args += ["--untie-embeddings-and-output-weights"] if m.untie_embeddings_and_output_weights else []
     args += ["--bf16"] if t.bf16 else (["--fp16"] if t.fp16 else [])
+    args += ["--lr-warmup-fraction", str(t.lr_warmup_fraction)] if t.lr_warmup_fraction is not None else []  # the tiny preset's
     args += ["--sequence-parallel"] if p.sequence_parallel else []
     if p.context_parallel_size > 1:  # Megatron's own CP: Transformer Engine's attention with the same comm type
         args += _flags([("--context-parallel-size", p.context_parallel_size), ("--cp-comm-type", p.cp_comm_type)])

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "RESULTS.md")
 README = os.path.join(ROOT, "README.md")
 PLOT = os.path.join(HERE, "headline.png")
+CURVES = os.path.join(HERE, "curves.png")
 BEGIN = "<!-- headline table: rendered by `python -m benchmarks render` from benchmarks/records/ (do not edit by hand) -->"
 END = "<!-- end of the headline table -->"
 RULES = {"current": "new", "re-derived (new rule)": "re-derived", "old rule": "old"}
@@ -127,7 +128,51 @@ def results_markdown(records: list[dict]) -> str:
     lines = INTRO.splitlines() + [""]
     for suite in list(SUITES) + sorted({r.get("suite") for r in records} - set(SUITES)):
         lines += suite_markdown(suite, records)
+        if suite == "scaling" and curve_records(records):
+            lines += ["The newest loss curve of each layout against one GPU (curve cases; window of 10 steps):", "",
+                      f"![loss curves of each layout against one GPU]({os.path.basename(CURVES)})", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def curve_records(records: list[dict]) -> list[dict]:
+    """The newest successful or diverged record of each curve case's layout that kept its curves."""
+    newest: dict[tuple, dict] = {}
+    for r in newest_first([r for r in records if r.get("curve")]):
+        newest.setdefault((r.get("case"), r["curve"]["layout"]), r)
+    return list(newest.values())
+
+
+def plot_curves(records: list[dict], path: str = CURVES) -> int:
+    """Each layout's loss curve over its one-GPU reference (left) and their windowed relative gap (right); the number drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    chosen = curve_records(records)
+    if not chosen:
+        return 0
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    references = {}
+    for r in sorted(chosen, key=lambda r: (r.get("case", ""), r["curve"]["layout"])):
+        reference, losses, name = r["curve"]["reference"], r["curve"]["losses"], r["curve"]["layout"]
+        kind = "MoE" if r.get("suite") == "moe" else "dense"
+        if kind not in references:
+            references[kind] = reference
+            left.plot(range(1, len(reference) + 1), reference, color="black", linewidth=2.5, alpha=0.35, label=f"{kind}: 1 GPU")
+        left.plot(range(1, len(losses) + 1), losses, linewidth=0.8, label=f"{kind}: {name}")
+        gaps = [100 * (sum(losses[i:i + 10]) - sum(reference[i:i + 10])) / sum(reference[i:i + 10])
+                for i in range(0, len(losses) - 9, 10)]
+        right.plot([i + 10 for i in range(0, len(losses) - 9, 10)], gaps, marker=".", linewidth=0.8, label=f"{kind}: {name}")
+    left.set(title="loss, each layout over its one-GPU run", xlabel="step", ylabel="loss", yscale="log")
+    right.axhspan(-3, 3, color="green", alpha=0.08, label="tolerance (3%)")
+    right.set(title="gap of 10-step means to one GPU", xlabel="step", ylabel="%")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+    right.legend(fontsize=7, ncol=2)
+    figure.suptitle(f"loss curves of every layout against one GPU, bf16 ({chosen[0].get('device', '')}; benchmarks/curves.py)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(figure)
+    return len(chosen)
 
 
 def _timed_runs(records: list[dict], case: str, system: str) -> list[dict]:
@@ -240,4 +285,6 @@ def write(records: list[dict], with_plot: bool = True) -> list[str]:
     if with_plot:
         plot(records)
         written.append(PLOT)
+        if plot_curves(records):
+            written.append(CURVES)
     return written

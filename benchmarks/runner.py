@@ -225,15 +225,15 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
     common.update(date=now.date().isoformat(), time=now.isoformat(timespec="seconds"), wall_s=round(time.monotonic() - started, 1))
     failed = {**common, "status": "failed", "error": error_line(code, log), "command": shown(argv),
               "model": case.model, "model_args": ["--model", case.model] + list(case.flags)}
-    if code != 0:
-        return [failed]
-    if system == "megatron-lm" and not case.script:
-        return [_megatron_record(case, call, common, argv, log, failed)]
     produced = read(record_file) if os.path.exists(record_file) else []
-    if not produced:
-        return [{**failed, "error": f"the run wrote no record (exit {code})"}]
     identity = {k: common[k] for k in ("call", "suite", "case", "commit", "device")}
     records = [{**common, "status": "ok", **r, **identity} for r in produced]  # a script's own system, label, status win
+    if code != 0:
+        return records + [failed]  # what a script recorded before it failed (e.g. the layouts of a curve case) stays
+    if system == "megatron-lm" and not case.script:
+        return [_megatron_record(case, call, common, argv, log, failed)]
+    if not produced:
+        return [{**failed, "error": f"the run wrote no record (exit {code})"}]
     if profile_dir:
         summaries = sorted(glob.glob(os.path.join(profile_dir, "*_summary.txt")))
         for trace in glob.glob(os.path.join(profile_dir, "trace_rank*.json")):

@@ -32,9 +32,10 @@ SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads")
 
 MODELS: dict[str, list[str]] = {
     # The built-in default run (what `deepspeed scripts/pretrain.py` trains with no flags): a small
-    # Llama-style model on the built-in corpus, logging every 10 steps.
+    # Llama-style model on the built-in corpus, logging every 10 steps. Its warm-up is a fraction of the
+    # run (15 of the default 300 steps), so that any --train-iters a user types fits.
     "tiny": ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "384",
-             "--seq-length", "128", *LLAMA_BLOCK, *LLAMA_OPTIMIZER, "--min-lr", "3e-4", "--lr-warmup-iters", "20",
+             "--seq-length", "128", *LLAMA_BLOCK, *LLAMA_OPTIMIZER, "--min-lr", "3e-4", "--lr-warmup-fraction", "0.05",
              "--log-interval", "10", "--eval-iters", "10"],
     # The project's reference for speed: 940M-class Llama block, d2048 L16, seq 2048, vocab 32768.
     "reference": ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "5504",

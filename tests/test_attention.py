@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hybridlm.config import ConfigError, parse_args
-from hybridlm.model.attention_backends import BACKENDS, make_attention_core, resolve_backend
-from hybridlm.training.trainer import prepare_config
+from hybridlm.model.attention_backends import BACKENDS, block_kernel_name, make_attention_core, make_block_attention, resolve_backend
+from hybridlm.training.trainer import check_model_impl, prepare_config
 
 cuda = torch.cuda.is_available()
 if cuda and importlib.util.find_spec("transformer_engine") is not None:
@@ -125,16 +125,51 @@ def test_auto_on_a_gpu_prefers_flash_then_cudnn():
         assert backend == "cudnn", why
 
 
+def test_an_fp32_run_resolves_auto_to_sdpa_and_says_why():
+    assert resolve_backend("auto", half_precision=False) == ("sdpa", "auto: an fp32 run (torch SDPA's fp32 kernels)")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU (without one the backend is refused as not usable)")
 @pytest.mark.parametrize("backend", ["cudnn", "flash"])
-def test_half_precision_backends_compute_fp32_models_through_sdpa(backend):
-    # fp32 runs (the oracle's precision) under --attention-backend auto must not hit a
-    # half-only kernel: cuDNN's and flash-attn's cores hand fp32 inputs to SDPA.
+def test_an_fp32_run_asking_for_a_half_precision_kernel_is_refused_in_one_sentence(backend):
     if not _usable(backend):
         pytest.skip(f"{backend} is not installed on this machine")
-    core = make_attention_core(backend, heads=4, groups=2, head_dim=32, dropout=0.0)
-    check_against_reference(core, s=65, b=2, heads=4, groups=2, d=32, dtype=torch.float32, device="cuda", tol=1e-4)
+    with pytest.raises(ConfigError, match=f"--attention-backend {backend} runs in bf16 or fp16 only and this run is fp32"):
+        prepare_config(parse_args(["--attention-backend", backend]), world_size=1)
+    cfg, _ = prepare_config(parse_args(["--attention-backend", backend, "--bf16"]), world_size=1)
+    assert cfg.model.half_precision
+
+
+def test_the_cp_block_kernel_is_the_definition_on_cpus_and_in_fp32_and_the_backends_own_in_bf16_on_gpus():
+    assert block_kernel_name("cudnn", half_precision=True, on_gpu=True) == "cudnn"
+    assert block_kernel_name("sdpa", half_precision=True, on_gpu=True) == "sdpa"
+    assert block_kernel_name("cudnn", half_precision=False, on_gpu=True) == "math"
+    assert block_kernel_name("sdpa", half_precision=True, on_gpu=False) == "math"
+
+
+@pytest.mark.skipif(cuda, reason="checks what a machine without a GPU does")
+def test_a_cp_run_resolves_its_block_kernel_once_and_its_log_line_names_it():
+    cfg, _ = prepare_config(parse_args(["--context-parallel-size", "2", "--position-embedding-type", "rope", "--bf16",
+                                        "--attention-dropout", "0"]), world_size=2)
+    assert cfg.model.attention_block_kernel == "math"
+    assert "CP p2p blocks on the fp32 PyTorch definition's (CPU or fp32) kernel" in check_model_impl(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["cudnn core", "cudnn block", "sdpa block", "flash core", "flash block"])
+def test_a_half_precision_kernel_handed_fp32_raises_instead_of_running_the_definition(kernel):
+    # before: cuDNN's and flash-attn's kernels quietly ran SDPA or the fp32 definition on fp32 inputs
+    backend, part = kernel.split()
+    if not _usable(backend):
+        pytest.skip(f"{backend} is not installed on this machine")
+    q = torch.randn(64, 1, 2, 32, device="cuda")
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors in bf16 or fp16 and was given torch.float32"):
+        if part == "core":
+            make_attention_core(backend, heads=2, groups=2, head_dim=32, dropout=0.0)(q, q, q)
+        else:
+            make_block_attention(backend).forward(q, q, q, True)
 
 
 # ---------------------------------------------------------------- packed samples (--packing)

@@ -33,7 +33,7 @@ def test_a_run_naming_no_model_is_the_builtin_llama_style_tiny_one():
     m, t = builtin.model, builtin.train
     assert (m.normalization, m.position_embedding_type, m.swiglu, m.add_bias_linear, m.hidden_dropout) == ("RMSNorm", "rope", True, False, 0.0)
     assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (4, 128, 384)  # the model it always was
-    assert (t.adam_beta2, t.weight_decay, t.lr_decay_style, t.min_lr, t.lr_warmup_iters) == (0.95, 0.1, "cosine", 3e-4, 20)
+    assert (t.adam_beta2, t.weight_decay, t.lr_decay_style, t.min_lr, t.lr_warmup_fraction) == (0.95, 0.1, "cosine", 3e-4, 0.05)
 
 
 def test_flags_a_script_leaves_out_take_megatron_defaults():

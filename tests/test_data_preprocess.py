@@ -153,7 +153,7 @@ def test_a_failed_run_keeps_the_previous_output_whole(tmp_path):
         f.write('{"text": "second"}\n' * 200 + "not json\n")
     with pytest.raises(BadInputError, match=r"in\.jsonl:202: malformed JSON"):
         preprocess([src], str(tmp_path / "o"), chunk_bytes=64, progress=False)
-    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o_text_document.bin", "o_text_document.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o_text_document.bin", "o_text_document.ids.json", "o_text_document.idx"]
     assert [bytes(x).decode() for x in read_back(str(tmp_path / "o_text_document"))] == ["first version"]
 
 

@@ -22,7 +22,7 @@ GPU_TEMPLATES = {"7b.sbatch": "llama2-7b", "13b.sbatch": "llama2-13b", "70b.sbat
                  "mixtral-8x7b.sbatch": "mixtral-8x7b", "llama3-8b-128k.sbatch": "llama3-8b-128k"}
 # A smaller model than the tiny preset, so the jobs spend their time in Slurm, not in training.
 SMALL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --micro-batch-size 2 --log-interval 1"
-         " --lr-warmup-iters 2")  # the tiny preset warms up 20 iterations, longer than these 6-iteration jobs
+         " --lr-warmup-iters 2")  # a warm-up of a third of these 6-iteration jobs
 # This one-node cluster has 2 CPUs and no GPUs: the command line overrides the templates' #SBATCH
 # resource lines (sbatch lets options win over directives); every other directive is checked as written.
 SHRINK = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0"]

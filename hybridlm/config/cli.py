@@ -31,9 +31,25 @@ def _base_type(hint):
     return next(a for a in args if a is not type(None)) if args else hint
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a mistyped flag or value is answered by its one error line and where the flags are
+    listed, not by the usage of every flag; and once: each rank of a launch parses the same command
+    line before any process group exists, so only the launch's rank 0 (from the environment) says it."""
+
+    def error(self, message: str):
+        if rank_from_env() != 0:
+            self.exit(2)
+        if message.startswith("unrecognized arguments:"):
+            import difflib
+            typos = [w.split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+            near = [m for w in typos for m in difflib.get_close_matches(w, list(self._option_string_actions), n=1)]
+            message += f" (did you mean {' / '.join(near)}?)" if near else ""
+        self.exit(2, f"error: {message}\n{self.prog} --help lists every flag.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Train a GPT with tensor/sequence/pipeline/data parallelism on DeepSpeed.",
-                                     allow_abbrev=False)
+    parser = OneLineErrors(description="Train a GPT with tensor/sequence/pipeline/data parallelism on DeepSpeed.",
+                           allow_abbrev=False)
     for section, f, hint in _cli_fields():
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hint)
@@ -64,14 +80,14 @@ def parse_args(argv: Optional[list[str]] = None, base: Optional[dict] = None) ->
     ns.pop("local_rank", None)
     ns.pop("deepspeed", None)
     path = ns.pop("config", None)
-    values = dict(base or {})
-    values.update(load_yaml(path) if path else {})
-    values.update(ns)
+    given = {**(load_yaml(path) if path else {}), **ns}
+    values = {**(base or {}), **given}
     typed = frozenset(values)
-    if values.get("model") is None and not any(name in values for name in SHAPE_FLAGS):
-        values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
-    if values.get("model") is not None:  # the preset under the run file under the flags
-        values = {**_preset_values(values["model"]), **values}
+    preset = given.get("model")  # a base (a checkpoint's settings) holds its preset already applied: not again
+    if preset is None and not any(name in values for name in SHAPE_FLAGS):
+        preset = values["model"] = "tiny"  # a run that names no model is the built-in one (presets.py)
+    if preset is not None:  # the preset under the base under the run file under the flags
+        values = {**_preset_values(preset), **values}
     notes = megatron.translate(values)
     cfg = config_from_dict(values)
     cfg.notes.extend(notes)
@@ -148,6 +164,14 @@ def config_from_dict(values: dict) -> RunConfig:
     return RunConfig(model=ModelConfig(**by_section["model"]), parallel=ParallelConfig(**by_section["parallel"]),
                      train=TrainConfig(**by_section["train"]), data=DataConfig(**by_section["data"]),
                      posttrain=PostTrainConfig(**by_section["posttrain"]), explicit=frozenset(values))
+
+
+def rank_from_env() -> int:
+    """This process's rank as the launcher announced it (torchrun/deepspeed: RANK; mpirun: OMPI/PMI; srun), else 0."""
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
 
 
 def world_size_from_env() -> int:

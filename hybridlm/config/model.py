@@ -88,6 +88,8 @@ class ModelConfig:
     lora_targets: str = flag("all-linear", f"LoRA: the linears that get adapters, a comma list of {', '.join(LORA_TARGETS)}, or all-linear (all of them; never the output layer); one adapter per fused weight (QKV, SwiGLU's gate and up).")
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
     packed_samples: bool = flag(False, "Derived from --packing: rows hold several samples that attention must keep apart.", cli=False)
+    half_precision: bool = flag(False, "Derived from --bf16/--fp16: the layers compute in half precision (which attention kernels can run).", cli=False)
+    attention_block_kernel: str = flag("math", "Derived at start-up: the log-sum-exp attention kernel context parallelism runs block by block.", cli=False)
 
     def __post_init__(self):
         if self.num_query_groups is None or not self.group_query_attention:

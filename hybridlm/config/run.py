@@ -42,6 +42,7 @@ class RunConfig:
                 raise ConfigError(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp}; it must equal TP x PP x DP.")
             raise ConfigError(f"world size {world_size} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp}; it must equal TP x PP x CP x DP.")
         p.data_parallel_size = world_size // (tp * pp * cp)
+        m.half_precision = t.bf16 or t.fp16
         if m.num_attention_heads % tp:
             raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
         if m.num_query_groups % tp:
@@ -58,8 +59,10 @@ class RunConfig:
                               f"(world {world_size} / (TP x PP) = {p.data_parallel_size * cp}); EP is carved out of DP x CP.")
         if m.num_experts is not None:
             self._check_moe_layout(tp, ep)
-        if p.sequence_parallel and tp == 1:
-            p.sequence_parallel = False  # nothing to shard over; Megatron does the same
+        if p.sequence_parallel and tp == 1:  # nothing to shard over: Megatron-LM warns and turns it off, as here
+            p.sequence_parallel = False
+            self.notes.append("--sequence-parallel is off: it shards activations over the TP ranks, and "
+                              "--tensor-model-parallel-size is 1 (Megatron-LM turns it off the same way).")
         if p.sequence_parallel and m.seq_length % tp:
             raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tensor-model-parallel-size {tp}, which --sequence-parallel needs.")
         if cp > 1:
@@ -99,6 +102,7 @@ class RunConfig:
         if t.global_batch_size % per_step:
             raise ConfigError(f"--global-batch-size {t.global_batch_size} is not divisible by --micro-batch-size x DP = {t.micro_batch_size} x {p.data_parallel_size}.")
         self._check_schedule()
+        self._check_optimizer()
         if t.keep_last_n_checkpoints is not None and t.keep_last_n_checkpoints < 1:
             raise ConfigError(f"--keep-last-n-checkpoints must be at least 1, got {t.keep_last_n_checkpoints}.")
         if t.eval_interval is not None and (t.eval_interval < 1 or t.eval_iters < 1):
@@ -107,6 +111,9 @@ class RunConfig:
             raise ConfigError("--ckpt-step needs --load.")
         if t.finetune and not t.load:
             raise ConfigError("--finetune needs --load: it says what to take from the loaded checkpoint.")
+        interval = t.check_weight_hash_across_dp_replicas_interval
+        if interval is not None and interval < 1:
+            raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be at least 1, got {interval}.")
         if t.manual_gc_interval < 0 or (t.manual_gc_interval and not t.manual_gc):
             raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:
@@ -142,8 +149,13 @@ class RunConfig:
         if t.train_iters < 1:
             raise ConfigError(f"--train-iters must be positive, got {t.train_iters}"
                               f"{f' (--train-samples {t.train_samples} / --global-batch-size {g})' if t.train_samples else ''}.")
+        if t.lr_warmup_fraction is not None and "lr_warmup_fraction" not in typed and \
+                {"lr_warmup_iters", "lr_warmup_samples"} & typed:
+            t.lr_warmup_fraction = None  # a preset's warm-up fraction gives way to the warm-up typed
         if t.lr_warmup_fraction is not None and "lr_warmup_iters" not in typed:
             t.lr_warmup_iters = 0  # a preset's warm-up gives way to the fraction
+        if t.lr_warmup_fraction is not None and not 0 <= t.lr_warmup_fraction < 1:
+            raise ConfigError(f"--lr-warmup-fraction must be in [0, 1) (a share of the decay), got {t.lr_warmup_fraction:g}.")
         if t.lr_warmup_fraction is not None and (t.lr_warmup_iters or t.lr_warmup_samples):
             raise ConfigError("--lr-warmup-fraction cannot be combined with --lr-warmup-iters or --lr-warmup-samples; give one of them.")
         wsd = t.lr_decay_style in ("wsd", "WSD")
@@ -156,10 +168,35 @@ class RunConfig:
             t.lr_wsd_decay_samples = max(1, (t.lr_decay_samples or t.train_samples) // 10)
         warmup, decay, _ = t.schedule_in_samples()
         if warmup >= decay:
-            raise ConfigError(f"the warm-up ({warmup:g} samples) must end before the decay ({decay:g} samples: "
-                              "--lr-decay-iters or --lr-decay-samples, default the whole run), as Megatron-LM requires.")
+            raise ConfigError(self._warmup_too_long(warmup, decay, typed))
         if t.decoupled_min_lr is not None and t.decoupled_lr is None:
             raise ConfigError("--decoupled-min-lr needs --decoupled-lr.")
+
+    def _check_optimizer(self) -> None:
+        """What torch's AdamW would refuse with a traceback after the process group exists."""
+        t = self.train
+        for flag, value in (("--lr", t.lr), ("--min-lr", t.min_lr), ("--lr-warmup-init", t.lr_warmup_init),
+                            ("--decoupled-lr", t.decoupled_lr), ("--decoupled-min-lr", t.decoupled_min_lr),
+                            ("--weight-decay", t.weight_decay), ("--adam-eps", t.adam_eps), ("--clip-grad", t.clip_grad)):
+            if value is not None and not value >= 0:  # NaN too
+                raise ConfigError(f"{flag} must not be negative, got {value:g}.")
+        for flag, value in (("--adam-beta1", t.adam_beta1), ("--adam-beta2", t.adam_beta2)):
+            if not 0 <= value < 1:
+                raise ConfigError(f"{flag} must be in [0, 1), got {value:g}.")
+
+    def _warmup_too_long(self, warmup: float, decay: float, typed: frozenset) -> str:
+        """The schedule refusal, naming every flag that fixes it (and the preset a warm-up came from)."""
+        t = self.train
+        samples = t.train_samples is not None
+        unit, per = ("samples", 1) if samples else ("iterations", t.global_batch_size)
+        name = "lr_warmup_samples" if samples else "lr_warmup_iters"  # a fraction below 1 always fits
+        warm_flag, decay_flag = "--" + name.replace("_", "-"), "--lr-decay-samples" if samples else "--lr-decay-iters"
+        run_flag = "--train-samples" if samples else "--train-iters"
+        preset = f" from --model {self.model.model}" if name not in typed and self.model.model else ""
+        return (f"the warm-up ({warmup / per:g} {unit}: {warm_flag} {getattr(t, name)}{preset}) must end before the decay "
+                f"({decay / per:g} {unit}: {decay_flag}, default {run_flag}) does, as Megatron-LM requires; shorten the "
+                f"warm-up with {warm_flag}{' (yours wins over the preset)' if preset else ''} or --lr-warmup-fraction, or "
+                f"lengthen the decay with {decay_flag} or {run_flag}.")
 
     def _check_posttrain(self) -> None:
         """--task and its settings (the data files themselves are checked when the task reads them)."""

@@ -25,6 +25,9 @@ from typing import Optional
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
          "chatgpt": "assistant", "system": "system", "tool": "tool", "observation": "tool", "function": "tool"}
+# The roles of a "messages" list that chat templates know (OpenAI's, with Llama 3's ipython): any other
+# is a typo whose turn a template would render as something else or drop, never train as a reply.
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 class LineError(ValueError):
@@ -54,6 +57,10 @@ def _message(raw, where: str) -> dict:
         raise LineError(f"{where} is a JSON {type(raw).__name__}, not an object")
     if not isinstance(raw.get("role"), str):
         raise LineError(f"{where} has no string 'role'")
+    if raw["role"] not in MESSAGE_ROLES:
+        meant = ROLES.get(raw["role"].lower())
+        hint = f" (did you mean '{meant}'?)" if meant and meant != raw["role"] else ""
+        raise LineError(f"{where} has the unknown role '{raw['role']}'{hint}; the roles are {', '.join(MESSAGE_ROLES)}")
     content = raw.get("content")
     if content is not None and not isinstance(content, str):
         raise LineError(f"{where} has non-text 'content' (a JSON {type(content).__name__}); only text is supported")

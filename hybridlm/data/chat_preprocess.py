@@ -11,8 +11,9 @@ worker and progress machinery is ``preprocess_data``'s (``hybridlm.data.preproce
 becomes a conversation (``chat_formats``), is rendered with the chat template and masked from
 prefix renderings (``chat_template``). A conversation longer than ``--seq-length`` + 1 tokens (a
 row of ``--seq-length`` inputs and as many labels) keeps its start; one with no trained token is
-dropped and counted (an error only if every one is), and a preference prompt that leaves no
-room for a reply in the sequence is refused.
+dropped, and its line and the reason reported (an error only if every one is). A bad line (not
+JSON, an unknown role, a preference prompt that leaves no room for a reply in the sequence, ...)
+stops the run with ``file:line: reason`` unless ``skip_bad_lines``, which skips and reports it.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ class ChatOptions:
     seq_length: Optional[int]
     train_on: str
     dtype: str
+    skip_bad_lines: bool = False
 
 
 @dataclass
@@ -64,7 +66,8 @@ class ChatChunkResult:
     mask: np.ndarray
     lengths: np.ndarray
     num_bytes: int
-    dropped: int = 0
+    dropped: list = field(default_factory=list)  # (line, reason): written nothing, no trained token
+    skipped: list = field(default_factory=list)  # (line, reason): a bad line, --skip-bad-lines
     truncated: int = 0
     loss_tokens: int = 0
     max_prompt: int = 0
@@ -88,8 +91,40 @@ def _encode(tok, template: ChatTemplate, conversation, seq_length: Optional[int]
     return ids, mask, truncated
 
 
+def _untrained(conversation, truncated: bool, seq_length: Optional[int]) -> str:
+    """Why a conversation holds no trained token (it is dropped, and this said with its line)."""
+    if not any(m["role"] == "assistant" for m in conversation.messages):
+        return "no assistant turn, so nothing to train"
+    if not conversation.trained:
+        return "no assistant turn in the loss (\"loss\": false, or --train-on last and the last one is)"
+    if truncated:
+        return f"--seq-length {seq_length} cuts it before its first trained reply"
+    return "its trained replies render to no token"
+
+
+def _read_line(raw: bytes, options: ChatOptions, tok, result: ChatChunkResult):
+    """(kind, sides, encoded sides) of one line; LineError, TemplateError or BadInputError for a bad one."""
+    obj, reason = _parse_json(raw)
+    if reason is not None:
+        raise LineError(reason)
+    kind = "preference" if is_preference(obj) else "sft"
+    if result.kind is not None and kind != result.kind:
+        raise BadInputError(f"a {kind} example among {result.kind} examples; keep supervised and preference data in separate files.")
+    record = read_pair(obj) if kind == "preference" else read_conversation(obj, options.train_on)
+    sides = [record.chosen, record.rejected] if isinstance(record, Pair) else [record]
+    encoded = [_encode(tok, options.template, c, options.seq_length) for c in sides]
+    if kind == "preference":
+        for (ids, mask, _), side in zip(encoded, ("chosen", "rejected")):
+            prompt = int(np.argmax(mask)) if mask.any() else len(ids)
+            if options.seq_length is not None and prompt > options.seq_length:
+                raise LineError(f"the {side} prompt is {prompt} tokens, longer than --seq-length {options.seq_length} leaves "
+                                "room for (a reply needs at least one position); raise --seq-length or shorten the prompt")
+    return kind, sides, encoded
+
+
 def encode_chat_chunk(chunk: Chunk, options: ChatOptions, shared=None) -> ChatChunkResult:
-    """Parse, render, tokenize and mask one chunk's lines. Raises BadInputError at the first bad line."""
+    """Parse, render, tokenize and mask one chunk's lines. Raises BadInputError at the first bad line
+    (unless ``options.skip_bad_lines``); a line that trains nothing is dropped with its reason."""
     tok = shared if shared is not None else _rust_tokenizer(options.tokenizer_model)
     ids_out, mask_out, lengths = [], [], []
     result = ChatChunkResult(chunk.path, None, chunk.first_line, None, None, None, len(chunk.data))
@@ -97,33 +132,25 @@ def encode_chat_chunk(chunk: Chunk, options: ChatOptions, shared=None) -> ChatCh
         if not raw.strip():
             continue
         line = chunk.first_line + offset
-        where = f"{chunk.path}:{line}"
-        obj, reason = _parse_json(raw)
-        if reason is not None:
-            raise BadInputError(f"{where}: {reason}.")
-        kind = "preference" if is_preference(obj) else "sft"
-        if result.kind is None:
-            result.kind = kind
-        elif kind != result.kind:
-            raise BadInputError(f"{where}: a {kind} example among {result.kind} examples; keep supervised and preference data in separate files.")
         try:
-            record = read_pair(obj) if kind == "preference" else read_conversation(obj, options.train_on)
-            sides = [record.chosen, record.rejected] if isinstance(record, Pair) else [record]
-            encoded = [_encode(tok, options.template, c, options.seq_length) for c in sides]
-        except LineError as e:
-            raise BadInputError(f"{where}: {e}.") from None
-        except TemplateError as e:
-            raise BadInputError(f"{where}: {e}") from None
+            kind, sides, encoded = _read_line(raw, options, tok, result)
+        except (LineError, TemplateError) as e:
+            reason = str(e).rstrip(".")
+            if not options.skip_bad_lines:
+                raise BadInputError(f"{chunk.path}:{line}: {reason}.") from None
+            result.skipped.append((line, reason))
+            continue
+        except BadInputError as e:
+            raise BadInputError(f"{chunk.path}:{line}: {e}") from None
+        result.kind = kind
         if kind == "preference":
-            for (ids, mask, _), side in zip(encoded, ("chosen", "rejected")):
-                prompt = int(np.argmax(mask)) if mask.any() else len(ids)
-                if options.seq_length is not None and prompt > options.seq_length:
-                    raise BadInputError(f"{where}: the {side} prompt is {prompt} tokens, longer than --seq-length "
-                                        f"{options.seq_length} leaves room for (a reply needs at least one position); "
-                                        "raise --seq-length or shorten the prompt.")
-                result.max_prompt = max(result.max_prompt, prompt)
-        if not all(mask.any() for _, mask, _ in encoded):
-            result.dropped += 1
+            result.max_prompt = max([result.max_prompt] + [int(np.argmax(mask)) if mask.any() else len(ids)
+                                                           for ids, mask, _ in encoded])
+        untrained = [(side, truncated) for side, (_, mask, truncated) in zip(sides, encoded) if not mask.any()]
+        if untrained:
+            side, truncated = untrained[0]
+            which = "" if kind == "sft" else f"the {'chosen' if side is sides[0] else 'rejected'} reply: "
+            result.dropped.append((line, which + _untrained(side, truncated, options.seq_length)))
             continue
         for ids, mask, truncated in encoded:
             ids_out.append(ids)
@@ -143,6 +170,7 @@ class ChatStats(PreprocessStats):
     kind: Optional[str] = None
     samples: int = 0  # conversations (sft) or pairs (preference) written
     dropped: int = 0
+    dropped_examples: list = field(default_factory=list)  # "file:line: reason", the first few
     truncated: int = 0
     loss_tokens: int = 0
     max_tokens: int = 0
@@ -154,6 +182,7 @@ class ChatStats(PreprocessStats):
         what = "pairs" if self.kind == "preference" else "conversations"
         text = (f"{self.files} file(s), {self.samples:,} {what} ({self.documents:,} documents), {self.tokens:,} tokens of which "
                 f"{self.loss_tokens:,} trained, {self.dropped:,} dropped (no trained token), {self.truncated:,} truncated, "
+                f"{self.bad_lines:,} bad line(s) skipped, "
                 f"{self.bytes_in / 1e6:,.1f} MB in {self.seconds:.1f} s ({self.documents / s:,.0f} docs/s)")
         for prefix in self.outputs.values():
             text += f"\n  -> {prefix}.bin/.idx, {mask_prefix(prefix)}.bin/.idx, {manifest_path(prefix)}   (train with --data-path {prefix})"
@@ -162,9 +191,10 @@ class ChatStats(PreprocessStats):
 
 def preprocess_chat(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, *, chat_template: Optional[str] = None,
                     seq_length: Optional[int] = None, train_on: str = "all", workers: int = 1, chunk_bytes: int = 1 << 21,
-                    progress: bool = True) -> ChatStats:
+                    progress: bool = True, skip_bad_lines: bool = False) -> ChatStats:
     """Write the token, mask and manifest files for ``inputs``; returns the counts. Bad input raises
-    ``ConfigError`` with ``file:line: reason``; nothing is published unless everything succeeded."""
+    ``ConfigError`` with ``file:line: reason`` (a bad line is skipped and counted with ``skip_bad_lines``);
+    nothing is published unless everything succeeded."""
     if workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {workers}.")
     if train_on not in TRAIN_ON:
@@ -174,7 +204,8 @@ def preprocess_chat(inputs: Sequence[str], output_prefix: str, tokenizer_model: 
     tokenizer = load_huggingface_tokenizer(tokenizer_model)
     template = load_template(tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(tokenizer_model), chat_template)
     paths = expand_inputs(inputs)
-    options = ChatOptions(tokenizer_model, template, seq_length, train_on, np.dtype(optimal_dtype(tokenizer.vocab_size)).name)
+    options = ChatOptions(tokenizer_model, template, seq_length, train_on, np.dtype(optimal_dtype(tokenizer.vocab_size)).name,
+                          skip_bad_lines)
     stats = ChatStats(files=len(paths))
     bar = Progress(stats, sum(os.path.getsize(p) for p in paths), enabled=progress)
     start = time.perf_counter()
@@ -194,7 +225,12 @@ def preprocess_chat(inputs: Sequence[str], output_prefix: str, tokenizer_model: 
         stats.samples += len(result.lengths) // (2 if result.kind == "preference" else 1)
         stats.tokens += len(result.tokens)
         stats.bytes_in += result.num_bytes
-        stats.dropped += result.dropped
+        stats.dropped += len(result.dropped)
+        stats.bad_lines += len(result.skipped)
+        for line, reason in result.dropped[:max(0, 20 - len(stats.dropped_examples))]:
+            stats.dropped_examples.append(f"{result.path}:{line}: {reason}")
+        for line, reason in result.skipped[:max(0, 20 - len(stats.bad_examples))]:
+            stats.bad_examples.append(f"{result.path}:{line}: {reason}")
         stats.truncated += result.truncated
         stats.loss_tokens += result.loss_tokens
         stats.max_tokens = max(stats.max_tokens, int(result.lengths.max(initial=0)))
@@ -207,8 +243,9 @@ def preprocess_chat(inputs: Sequence[str], output_prefix: str, tokenizer_model: 
         encode_in_order(paths, encode_chat_chunk, options, tokenizer.tok if workers == 1 else None, workers=workers,
                         chunk_bytes=chunk_bytes, bar=bar, consume=consume, empty_file=empty_file)
         if stats.samples == 0:
-            raise BadInputError(f"no example with a trained token in {', '.join(paths)} ({stats.dropped} dropped: no assistant "
-                                "reply in the loss); nothing to write.")
+            first = f", the first {stats.dropped_examples[0]}" if stats.dropped_examples else ""
+            raise BadInputError(f"no example with a trained token in {', '.join(paths)} ({stats.dropped} dropped{first}; "
+                                f"{stats.bad_lines} bad line(s) skipped); nothing to write.")
     except BaseException:
         tokens_out.abort()
         mask_out.abort()

@@ -23,9 +23,15 @@ Writing goes to temporary names and is renamed into place at the end, ``.idx`` l
 interrupted run never leaves a pair that looks whole; the reader checks that the ``.idx``
 is complete and that the ``.bin`` has exactly the size it describes, and says so in one
 sentence otherwise.
+
+Given the tokenizer's flags, the writer also leaves ``P.ids.json`` beside the pair: the largest
+token id written and the tokenizer that wrote it, so that a run can tell at start-up, without
+reading the corpus, that its vocabulary is too small for the data (Megatron ignores the file;
+for data without one a sample of documents is read instead).
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 from typing import Optional
@@ -60,6 +66,10 @@ def bin_path(prefix: str) -> str:
     return prefix + ".bin"
 
 
+def ids_path(prefix: str) -> str:
+    return prefix + ".ids.json"
+
+
 def write_index(path: str, dtype, sequence_lengths: np.ndarray, document_indices: np.ndarray) -> None:
     """Write a ``.idx`` file (no sequence modes, as Megatron does for text)."""
     dtype = np.dtype(dtype)
@@ -86,8 +96,10 @@ class IndexedDatasetWriter:
     (including Ctrl-C) deletes the temporary files and leaves any earlier pair untouched.
     """
 
-    def __init__(self, prefix: str, dtype):
-        self.prefix, self.dtype = prefix, np.dtype(dtype)
+    def __init__(self, prefix: str, dtype, tokenizer: Optional[dict] = None):
+        """``tokenizer``: the flags that name the tokenizer (``P.ids.json`` records them with the largest id)."""
+        self.prefix, self.dtype, self.tokenizer = prefix, np.dtype(dtype), tokenizer
+        self.max_token_id = -1
         if self.dtype not in _CODE_OF:
             raise ValueError(f"dtype {self.dtype} has no Megatron code")
         directory = os.path.dirname(os.path.abspath(prefix))
@@ -108,6 +120,7 @@ class IndexedDatasetWriter:
             lo, hi = int(tokens.min()), int(tokens.max())
             if lo < info.min or hi > info.max:
                 raise ValueError(f"token ids {lo}..{hi} do not fit the dataset dtype {self.dtype}")
+            self.max_token_id = max(self.max_token_id, hi)
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self._lengths.append(lengths.astype(np.int32))
         self.num_tokens += len(tokens)
@@ -129,6 +142,11 @@ class IndexedDatasetWriter:
         write_index(self._tmp_idx, self.dtype, lengths, np.arange(len(lengths) + 1, dtype=np.int64))
         if os.path.exists(idx_path(self.prefix)):
             os.remove(idx_path(self.prefix))  # a crash between the two renames must not pair old .idx with new .bin
+        if self.tokenizer is not None:  # before the .idx: a whole pair never sits beside an older pair's record
+            record = {"max_token_id": int(self.max_token_id), "sequences": len(lengths), "tokenizer": self.tokenizer}
+            with open(ids_path(self.prefix) + ".tmp", "w") as f:
+                json.dump(record, f, indent=2)
+            os.replace(ids_path(self.prefix) + ".tmp", ids_path(self.prefix))
         os.replace(self._tmp_bin, bin_path(self.prefix))
         os.replace(self._tmp_idx, idx_path(self.prefix))
 
@@ -215,6 +233,30 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
+
+    def largest_token_id(self, documents: int = 64, tokens: int = 1 << 20) -> tuple[int, Optional[dict]]:
+        """(the largest token id, the tokenizer flags that wrote the data or None), from ``P.ids.json``
+        when it describes these files, else from the first and last tokens of about ``documents``
+        evenly spaced sequences (at most ``tokens`` in all): a foreign vocabulary shows in nearly every
+        document (in its end-of-document id, with --append-eod). -1 for no token."""
+        try:
+            with open(ids_path(self.prefix)) as f:
+                record = json.load(f)
+            if record["sequences"] == len(self):
+                return int(record["max_token_id"]), record.get("tokenizer")
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # no record (Megatron's own preprocessing) or an unreadable one: read a sample
+        if len(self) == 0:
+            return -1, None
+        picks = np.unique(np.linspace(0, len(self) - 1, min(len(self), documents)).astype(np.int64))
+        half = max(1, tokens // (2 * len(picks)))
+        largest = -1
+        for index in picks:
+            n = int(self.sequence_lengths[index])
+            for part in ((self.get(index),) if n <= 2 * half else (self.get(index, 0, half), self.get(index, n - half, half))):
+                if len(part):
+                    largest = max(largest, int(part.max()))
+        return largest, None
 
     def get(self, index: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         """Tokens ``[offset, offset+length)`` of sequence ``index`` (to its end when length is None)."""

@@ -350,7 +350,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, spec: TokenizerSpec = 
     stats = PreprocessStats(files=len(paths))
     bar = Progress(stats, sum(os.path.getsize(p) for p in paths), enabled=progress)
     start = time.perf_counter()
-    writers = {key: IndexedDatasetWriter(output_prefix_for(output_prefix, key), options.dtype) for key in json_keys}
+    writers = {key: IndexedDatasetWriter(output_prefix_for(output_prefix, key), options.dtype, tokenizer=spec.flags())
+               for key in json_keys}
     shared_tokenizer = tokenizer if workers == 1 else None  # threads share it; processes build their own
 
     def consume(result: ChunkResult) -> None:

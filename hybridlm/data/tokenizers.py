@@ -215,6 +215,17 @@ class TokenizerSpec:
     def build(self) -> Tokenizer:
         return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file, self.vocab_size)
 
+    def flags(self) -> dict:
+        """{field: value} of the flags given, files as absolute paths (recorded beside preprocessed data)."""
+        files = ("tokenizer_model", "vocab_file", "merge_file")
+        return {name: os.path.abspath(value) if name in files else value
+                for name, value in vars(self).items() if value is not None}
+
+
+def flags_text(flags: dict) -> str:
+    """{"tokenizer_type": "X", ...} -> '--tokenizer-type X ...', as a user types them."""
+    return " ".join(f"--{name.replace('_', '-')} {value}" for name, value in flags.items())
+
 
 def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,

@@ -13,9 +13,15 @@ samples: positions restart at 0 where a sample begins) no query sees another sam
          as cudnn)
   te     Transformer Engine's DotProductAttention (takes the [s, b, h, d] layout as is)
 
-``auto`` picks flash-attn when importable, else cuDNN on a Hopper-or-newer GPU, else sdpa.
-Every choice is checked before the process group exists (``resolve_backend``) so a missing
-package is one sentence, not a stack trace from inside the first forward.
+``auto`` picks flash-attn when importable, else cuDNN on a Hopper-or-newer GPU, else sdpa; an fp32
+run takes sdpa (cuDNN's and flash-attn's kernels are half precision only). Every choice is checked
+before the process group exists (``resolve_backend``) so a missing package, or a half-precision
+kernel asked of an fp32 run, is one sentence, not a stack trace from inside the first forward.
+
+No kernel is substituted at run time: a core or block kernel resolved for bf16 on a GPU raises
+if it is handed anything else, instead of quietly running the fp32 definition. The fp32 PyTorch
+definition (``math``) is chosen by name, at start-up, where it is what runs (CPUs, fp32 runs), and
+the run's log says so.
 """
 from __future__ import annotations
 
@@ -30,6 +36,18 @@ BACKENDS = ("sdpa", "cudnn", "flash", "te")
 
 def _to_bhsd(t: torch.Tensor) -> torch.Tensor:
     return t.permute(1, 2, 0, 3)
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def require_half_precision_cuda(kernel: str, t: torch.Tensor) -> None:
+    """A half-precision GPU kernel was handed something else: the run resolved the wrong kernel (a bug),
+    and running the fp32 definition instead would hide it (and change the arithmetic the run reports)."""
+    if t.device.type != "cuda" or t.dtype not in HALF:
+        raise RuntimeError(f"{kernel} runs on CUDA tensors in bf16 or fp16 and was given {t.dtype} on {t.device}; "
+                           "the attention kernels are resolved once at start-up (resolve_backend, block_kernel_name), "
+                           "so this input should not have reached it.")
 
 
 def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
@@ -142,8 +160,7 @@ def cudnn_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
     if position_ids is not None:
         raise ValueError("cuDNN attention cannot isolate packed samples")  # refused at start-up (PACKING_BACKENDS)
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return sdpa_attention(q, k, v, dropout_p)  # cuDNN's fused attention is half precision only
+    require_half_precision_cuda("cuDNN attention", q)
     if q.shape[2] != k.shape[2]:  # cuDNN's SDPA entry takes equal head counts
         repeat = q.shape[2] // k.shape[2]
         k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
@@ -188,8 +205,7 @@ def make_flash_attention() -> Callable:
     # aligned strides and copy only when they must, so no transpose is materialised here.
     @torch.compiler.disable
     def flash_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            return sdpa_attention(q, k, v, dropout_p, position_ids)  # flash-attn kernels are half precision only
+        require_half_precision_cuda("flash-attn", q)
         if position_ids is not None:
             return _flash_varlen(varlen, q, k, v, dropout_p, position_ids, version)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
@@ -258,18 +274,33 @@ CUDNN_IN_GRAPHS_FROM = (128, 256)
 PACKING_BACKENDS = ("sdpa", "flash")
 
 
+HALF_PRECISION_ONLY = ("cudnn", "flash")  # kernels with no fp32 path
+
+
 def resolve_backend(name: str, attention_dropout: float = 0.0, graphed_shape: tuple[int, int] | None = None,
-                    packing: bool = False) -> tuple[str, str]:
+                    packing: bool = False, half_precision: bool = True) -> tuple[str, str]:
     """(backend, why) for ``--attention-backend name``; raises ValueError (one sentence) if unusable.
     ``graphed_shape``: (head dim, sequence length) when the layers are captured as CUDA graphs;
-    ``packing``: rows hold several samples that must not see each other."""
+    ``packing``: rows hold several samples that must not see each other; ``half_precision``: the
+    model computes in bf16 or fp16 (an fp32 run cannot use cuDNN's or flash-attn's kernels)."""
+    if packing and name in ("cudnn", "te"):
+        raise ValueError(f"--attention-backend {name} cannot keep packed samples apart (--packing); use flash (variable-length "
+                         "kernels), sdpa (a block-diagonal mask) or auto.")
+    if name != "auto" and not (packing and name == "flash"):  # packing names what flash lacks itself
+        ok, why_not = _available(name)
+        if not ok:
+            raise ValueError(f"--attention-backend {name} is not usable here: {why_not}.")
+    if not half_precision:
+        if name in HALF_PRECISION_ONLY:
+            raise ValueError(f"--attention-backend {name} runs in bf16 or fp16 only and this run is fp32; add --bf16, "
+                             "or use --attention-backend sdpa (or auto).")
+        if name in ("auto", "sdpa"):
+            return "sdpa", ("requested" if name == "sdpa" else "auto: an fp32 run") + (
+                " (torch SDPA's fp32 kernels" + (", a block-diagonal mask for packed samples)" if packing else ")"))
     if packing:
         return _resolve_packing(name, attention_dropout)
     cudnn_fits_graphs = graphed_shape is None or all(a >= b for a, b in zip(graphed_shape, CUDNN_IN_GRAPHS_FROM))
     if name != "auto":
-        ok, why_not = _available(name)
-        if not ok:
-            raise ValueError(f"--attention-backend {name} is not usable here: {why_not}.")
         if name == "flash" and attention_dropout and _flash_function()[1] == "4":
             raise ValueError("--attention-backend flash (flash-attn-4) has no attention dropout; use cudnn or --attention-dropout 0.")
         if name == "cudnn" and not cudnn_fits_graphs:
@@ -369,20 +400,19 @@ def _fold_heads(grad, groups: int):
     return grad if heads == groups else grad.view(s, b, groups, heads // groups, d).sum(3)
 
 
-class TorchFlashBlockAttention(MathBlockAttention):
+class TorchFlashBlockAttention:
     """torch's own flash-attention kernel (the one behind SDPA on GPUs) called through its
-    log-sum-exp-returning ATen entry points; half precision on CUDA, else the definition."""
+    log-sum-exp-returning ATen entry points; CUDA tensors in half precision only."""
+    name = "torch's flash kernel"
 
     def forward(self, q, k, v, causal: bool):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().forward(q, k, v, causal)
+        require_half_precision_cuda(self.name, q)
         k, v = _same_heads(q, k, v)
         result = torch.ops.aten._scaled_dot_product_flash_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), 0.0, causal)
         return _sbhd(result[0]), result[1]
 
     def backward(self, dout, q, k, v, out, lse, causal: bool):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().backward(dout, q, k, v, out, lse, causal)
+        require_half_precision_cuda(self.name, q)
         groups = k.shape[2]
         k, v = _same_heads(q, k, v)
         # no cumulative sequence lengths (None: not the variable-length kernel), as torch's own
@@ -393,19 +423,18 @@ class TorchFlashBlockAttention(MathBlockAttention):
         return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
 
 
-class CuDNNBlockAttention(MathBlockAttention):
-    """cuDNN's fused attention through torch's log-sum-exp-returning ATen entry points."""
+class CuDNNBlockAttention:
+    """cuDNN's fused attention through torch's log-sum-exp-returning ATen entry points (CUDA, half precision)."""
+    name = "cuDNN attention"
 
     def forward(self, q, k, v, causal: bool):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().forward(q, k, v, causal)
+        require_half_precision_cuda(self.name, q)
         k, v = _same_heads(q, k, v)
         result = torch.ops.aten._scaled_dot_product_cudnn_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), None, True, 0.0, causal)
         return _sbhd(result[0]), result[1].reshape(q.shape[1], q.shape[2], q.shape[0]).float()
 
     def backward(self, dout, q, k, v, out, lse, causal: bool):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().backward(dout, q, k, v, out, lse, causal)
+        require_half_precision_cuda(self.name, q)
         groups = k.shape[2]
         k, v = _same_heads(q, k, v)
         # cuDNN wants the output and its gradient in one layout: both [b, s, h, d] in memory
@@ -416,10 +445,10 @@ class CuDNNBlockAttention(MathBlockAttention):
         return _sbhd(dq), _fold_heads(_sbhd(dk), groups), _fold_heads(_sbhd(dv), groups)
 
 
-class FlashAttnBlockAttention(MathBlockAttention):
+class FlashAttnBlockAttention:
     """flash-attn's kernels with their log-sum-exp (2.x: ``_flash_attn_forward``/``_backward``;
     flash-attn-4: ``_flash_attn_fwd``/``_bwd``), [b, s, h, d] views of our [s, b, h, d]; grouped-query
-    attention natively. Half precision on CUDA, else the definition."""
+    attention natively. CUDA tensors in half precision only."""
 
     def __init__(self):
         try:
@@ -428,10 +457,10 @@ class FlashAttnBlockAttention(MathBlockAttention):
         except ImportError:
             from flash_attn.cute import interface
             self.version, self.interface = "4", interface
+        self.name = f"flash-attn {self.version}"
 
     def forward(self, q, k, v, causal: bool):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().forward(q, k, v, causal)
+        require_half_precision_cuda(self.name, q)
         q_, k_, v_ = (t.transpose(0, 1).contiguous() for t in (q, k, v))
         scale = q.shape[-1] ** -0.5
         if self.version == "2":
@@ -442,8 +471,7 @@ class FlashAttnBlockAttention(MathBlockAttention):
         return result[0].transpose(0, 1), result[1]
 
     def backward(self, dout, q, k, v, out, lse, causal: bool):
-        if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-            return super().backward(dout, q, k, v, out, lse, causal)
+        require_half_precision_cuda(self.name, q)
         q_, k_, v_, out_, dout_ = (t.transpose(0, 1).contiguous() for t in (q, k, v, out, dout))
         scale, lse = q.shape[-1] ** -0.5, lse.contiguous()
         if self.version == "2":
@@ -454,16 +482,25 @@ class FlashAttnBlockAttention(MathBlockAttention):
         return dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 
 
-def make_block_attention(backend: str):
-    """The log-sum-exp variant of a resolved backend, for context parallelism's ring and all-gather
-    (Transformer Engine is refused with CP before this is reached)."""
-    if backend == "flash":
-        return FlashAttnBlockAttention()
-    if backend == "cudnn":
-        return CuDNNBlockAttention()
-    if backend == "sdpa":
-        return TorchFlashBlockAttention()
-    return MathBlockAttention()
+BLOCK_KERNELS = {"flash": FlashAttnBlockAttention, "cudnn": CuDNNBlockAttention, "sdpa": TorchFlashBlockAttention,
+                 "math": MathBlockAttention}
+
+
+def block_kernel_name(backend: str, half_precision: bool, on_gpu: bool) -> str:
+    """Which log-sum-exp kernel context parallelism's ring and all-gather run for a resolved ``backend``:
+    the backend's own on a GPU in half precision, else ``math`` (the fp32 PyTorch definition), the one
+    kernel that runs on CPUs and in fp32. Transformer Engine is refused with CP before this is asked."""
+    return backend if half_precision and on_gpu and backend in BLOCK_KERNELS else "math"
+
+
+def describe_block_kernel(name: str) -> str:
+    return {"flash": "flash-attn's", "cudnn": "cuDNN's", "sdpa": "torch's flash kernel's",
+            "math": "the fp32 PyTorch definition's (CPU or fp32)"}[name]
+
+
+def make_block_attention(name: str):
+    """The block kernel ``block_kernel_name`` chose."""
+    return BLOCK_KERNELS[name]()
 
 
 def make_attention_core(backend: str, *, heads: int, groups: int, head_dim: int, dropout: float) -> Callable:

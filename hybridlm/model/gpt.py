@@ -112,11 +112,11 @@ class Attention(nn.Module):
                        if cfg.position_embedding_type == "rope" else None)
         self.packed = cfg.packed_samples  # position ids restart per sample (else: every row's are the same)
         backend, _ = resolve_backend(cfg.attention_backend, cfg.attention_dropout, cfg.graphed_attention_shape,
-                                     packing=cfg.packed_samples)
+                                     packing=cfg.packed_samples, half_precision=cfg.half_precision)
         core = make_attention_core(backend, heads=cfg.num_attention_heads // factory.tp.size,
                                    groups=cfg.num_query_groups // factory.tp.size, head_dim=cfg.kv_channels,
                                    dropout=cfg.attention_dropout)
-        self.core = factory.attention(core, make_block_attention(backend))
+        self.core = factory.attention(core, make_block_attention(cfg.attention_block_kernel))
         self.dropout = cfg.attention_dropout
 
     def attend(self, q, k, v, positions=None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Optional
 
+import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from torch import nn
 
@@ -113,8 +114,13 @@ def build_model(cfg: ModelConfig, factory: LayerFactory, *, topology=None, loss=
     specs = layer_specs(cfg, factory)
     loss = loss or LMLoss(LossReducer(factory.tp, factory.groups.cp, factory.sequence_parallel), cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
-        model = PipelineModel(layers=specs, loss_fn=loss, topology=topology, layer_context=layer_context,
-                              partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
+        # no_grad: the constructor broadcasts the tied embedding from the first stage to the last in
+        # place (DeepSpeed's _synchronize_tied_weights), a copy no gradient should flow through; with
+        # grad mode on, c10d's broadcast_ (no autograd kernel) leaves the parameter warning at every
+        # backward that it "may lead to silently incorrect behavior"
+        with torch.no_grad():
+            model = PipelineModel(layers=specs, loss_fn=loss, topology=topology, layer_context=layer_context,
+                                  partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
     else:
         model = SequentialModel(specs, loss, context=layer_context)
     if cfg.lora_rank:  # adapters on this stage's target linears, the rest frozen (hybridlm.parallel.lora)

@@ -13,7 +13,8 @@ from ..config import build_parser as build_run_parser
 from ..presets import LAYOUTS, MODELS
 from ..training.ds_config import read_ds_config
 from .memory import GIB, Layout, ds_settings, total_parameters
-from .search import FRAGMENTATION, RESERVED_GIB, Cluster, Plan, plan, pretrain_flags, recommend, ring_traffic_bytes
+from .search import (FRAGMENTATION, RESERVED_GIB, RESERVED_SHARE, Cluster, Plan, plan, pretrain_flags, recommend,
+                     ring_traffic_bytes)
 
 COLUMNS = ("layout", "params", "grads", "optim", "act", "act+rc", "logits", "buffers", "total", "need", "fits", "step s")
 
@@ -22,10 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python scripts/plan.py", description="Per-GPU memory of candidate TP/PP/DP/CP/ZeRO layouts, and the fastest that fits.",
         epilog="Flags after -- change the model (any pretrain flag, e.g. -- --seq-length 8192). "
-               f"A layout fits when planned peak x {1 + FRAGMENTATION:.2f} + {RESERVED_GIB:g} GiB <= --gpu-memory.")
+               f"A layout fits when planned peak x {1 + FRAGMENTATION:.2f} + --reserved-gib <= --gpu-memory.")
     parser.add_argument("--model", required=True, help=f"a preset: {', '.join(MODELS)}")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
+    parser.add_argument("--reserved-gib", type=float, default=None,
+                        help=f"GiB per GPU that the planned peak does not count: CUDA context, NCCL and library workspaces "
+                             f"(default {RESERVED_GIB:g}, at most {RESERVED_SHARE:.0%} of --gpu-memory)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node (default 8)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's layout, else 1")
     parser.add_argument("--global-batch-size", type=int, default=None, help="default: the preset's layout, else 1024")
@@ -120,7 +124,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if value <= 0:
             print(f"error: {flag} must be positive, got {value:g}.", file=sys.stderr)
             return 2
-    cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory)
+    if args.reserved_gib is not None and not 0 <= args.reserved_gib < args.gpu_memory:
+        print(f"error: --reserved-gib must be at least 0 and below --gpu-memory {args.gpu_memory:g}, got {args.reserved_gib:g}.",
+              file=sys.stderr)
+        return 2
+    cluster = Cluster(args.gpus, min(args.gpus_per_node, args.gpus), args.gpu_memory, args.reserved_gib)
     plans = plan(cfg, cluster, micro_batch_size=mbs, global_batch_size=gbs, bf16=not args.fp32,
                  backend=args.attention_backend, fused=args.fused_ops, allow_offload=args.allow_offload,
                  constrain=constrain, cp_sizes=[run.parallel.context_parallel_size] if "context_parallel_size" in typed else None)
@@ -135,7 +143,7 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{args.gpus} GPU{'s' if args.gpus > 1 else ''} ({cluster.gpus_per_node} per node, {args.gpu_memory:g} GiB each); micro-batch {mbs}, "
           f"global batch {gbs}, {'fp32' if args.fp32 else 'bf16'}, attention {args.attention_backend}")
     print(f"Per-GPU GiB on the rank that needs the most; act = activations without recompute, act+rc = with the "
-          f"layout's recompute; need = total x {1 + FRAGMENTATION:.2f} + {RESERVED_GIB:g}; step s = the coarse time model "
+          f"layout's recompute; need = total x {1 + FRAGMENTATION:.2f} + {cluster.reserved:g} (--reserved-gib); step s = the coarse time model "
           f"(hybridlm/planner/search.py). {len(fitting)} of {len(plans)} layouts fit.\n")
     shown = plans[:args.top]
     same_cluster = suggested is not None and suggested.world_size == args.gpus
@@ -150,7 +158,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if best is None:
         smallest = min(plans, key=lambda p: p.needed_gib)
         print(f"\nNo layout fits in {args.gpu_memory:g} GiB; the smallest needs {smallest.needed_gib:.1f} GiB "
-              f"({smallest.layout.describe()}). Use more GPUs, --allow-offload, or a shorter --seq-length.")
+              f"({smallest.layout.describe()}, {cluster.reserved:g} of it --reserved-gib). Use more GPUs, --allow-offload, "
+              "or a shorter --seq-length.")
         return 1
     m = best.memory
     print(f"\nRecommended: {best.layout.describe()}: {m.total / GIB:.1f} GiB planned on stage {m.stage} "

@@ -10,7 +10,8 @@ activations and logits by CP where recompute only trims them.
 
 A layout fits when its planned peak plus headroom (``FRAGMENTATION`` of it for the caching
 allocator, plus ``RESERVED_GIB`` for the CUDA context, NCCL and library workspaces, which
-``max_memory_allocated`` does not count) is within the GPU's memory.
+``max_memory_allocated`` does not count, but at most ``RESERVED_SHARE`` of a small device's memory,
+such as the tiny preset's 1 GiB CPU ranks; ``Cluster.reserved_gib`` sets it) is within the GPU's memory.
 
 Step time, to rank the layouts that fit (a coarse model: it orders layouts, it does not
 predict seconds; the constants are an H100/H200 node with NVLink and one 400 Gb/s NIC per GPU):
@@ -47,6 +48,7 @@ from .memory import GIB, Breakdown, Layout, estimate, stage_layers, stage_parame
 
 FRAGMENTATION = 0.10
 RESERVED_GIB = 2.0
+RESERVED_SHARE = 0.10
 BASE_MFU = 0.45
 PEAK_TFLOPS = 989.0
 NVLINK_GBPS = 300.0  # per GPU, bytes/s (x 1e9), achievable all-reduce bus bandwidth
@@ -60,6 +62,13 @@ class Cluster:
     gpus: int
     gpus_per_node: int = 8
     gpu_memory_gib: float = 80.0
+    reserved_gib: Optional[float] = None  # memory outside the planned peak (default: see ``reserved``)
+
+    @property
+    def reserved(self) -> float:
+        """GiB per device the allocator's peak does not count: RESERVED_GIB, but at most RESERVED_SHARE
+        of the device, so that a 1 GiB CPU rank (no CUDA context, no NCCL) is not ruled out by it."""
+        return self.reserved_gib if self.reserved_gib is not None else min(RESERVED_GIB, RESERVED_SHARE * self.gpu_memory_gib)
 
 
 @dataclass
@@ -68,10 +77,11 @@ class Plan:
     memory: Breakdown
     step_seconds: float
     fits: bool
+    reserved_gib: float = RESERVED_GIB
 
     @property
     def needed_gib(self) -> float:
-        return self.memory.total * (1 + FRAGMENTATION) / GIB + RESERVED_GIB
+        return self.memory.total * (1 + FRAGMENTATION) / GIB + self.reserved_gib
 
 
 def _divisors(n: int) -> list[int]:
@@ -198,7 +208,7 @@ def plan(cfg: ModelConfig, cluster: Cluster, *, micro_batch_size: int, global_ba
         if constrain is not None and (lay := constrain(lay)) is None:
             continue
         memory = estimate(cfg, lay, backend=backend, fused=fused)
-        p = Plan(lay, memory, step_seconds(cfg, lay, cluster), fits=False)
+        p = Plan(lay, memory, step_seconds(cfg, lay, cluster), fits=False, reserved_gib=cluster.reserved)
         p.fits = p.needed_gib <= cluster.gpu_memory_gib
         plans.append(p)
     # fitting first, then fastest; at equal time the one that leaves more memory free

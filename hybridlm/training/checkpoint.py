@@ -78,11 +78,44 @@ def refuse_overwrite(save_dir: str | None, load_dir: str | None) -> None:
                           f"resume with --load {save_dir}, or save to a new directory.")
 
 
+def tag_to_load(load_dir: str, step: int | None) -> str | None:
+    """The tag ``--load`` (with ``--ckpt-step``) picks; None while the directory holds no checkpoint."""
+    return tag_for(step) if step is not None else latest_tag(load_dir)
+
+
+def refuse_tag_folder(load_dir: str) -> None:
+    """``--load runs/x/global_step20`` names one checkpoint's folder, which holds no ``latest``:
+    loading it would find nothing and start from scratch, never what was meant."""
+    name = os.path.basename(os.path.normpath(load_dir))
+    match = _TAG.match(name)
+    if match and os.path.isdir(load_dir) and latest_tag(load_dir) is None:
+        parent = os.path.dirname(os.path.normpath(load_dir)) or "."
+        raise ConfigError(f"--load {load_dir} is one checkpoint's folder, not the directory that holds them: "
+                          f"use --load {parent} --ckpt-step {match.group(1)}.")
+
+
+def no_checkpoint_reason(load_dir: str) -> str:
+    """Why ``--load`` finds nothing to load (for the start-from-scratch warning and the refusals)."""
+    if not os.path.isdir(load_dir):
+        return f"--load {load_dir}: no such directory"
+    return f"--load {load_dir} holds no checkpoint (no '{LATEST}' file)"
+
+
+def require_checkpoint(load_dir: str, step: int | None) -> None:
+    """Before any process group: ``--load`` names a checkpoint (fine-tuning has no use for a random start)."""
+    refuse_tag_folder(load_dir)
+    if tag_to_load(load_dir, step) is None:
+        raise ConfigError(f"{no_checkpoint_reason(load_dir)}: fine-tuning starts from the weights it loads; give a "
+                          "folder written by convert_from_hf.py or by a training run's --save.")
+
+
 def check_load(load_dir: str | None, step: int | None, cfg) -> None:
-    """Before any process group: the checkpoint ``--load`` would pick exists and holds this model."""
+    """Before any process group: the checkpoint ``--load`` would pick exists and holds this model
+    (none at all is Megatron's start from scratch, which a requeued job's first run relies on)."""
     if not load_dir:
         return
-    tag = tag_for(step) if step is not None else latest_tag(load_dir)
+    refuse_tag_folder(load_dir)
+    tag = tag_to_load(load_dir, step)
     if tag is None:
         return
     if not os.path.isdir(os.path.join(load_dir, tag)):
@@ -131,7 +164,7 @@ def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | 
     """Load ``latest`` (or ``global_step<step>``); returns the client state, or None if there is none.
     With ``cfg`` and ``ps``, a checkpoint of another layout, a weights-only one, or ``--finetune``
     goes through ``hybridlm.interop.reshape``."""
-    tag = tag_for(step) if step is not None else latest_tag(directory)
+    tag = tag_to_load(directory, step)
     if tag is None:
         return None
     if not os.path.isdir(os.path.join(directory, tag)):
@@ -145,7 +178,8 @@ def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | 
         if keep_rng:
             set_rng_state(torch.load(rng_path, weights_only=False))
         return client_state
-    path, client_state = engine.load_checkpoint(directory, tag=tag)
+    with torch.no_grad():  # a pipeline's load broadcasts the tied embedding again (hybridlm.model.specs.build_model)
+        path, client_state = engine.load_checkpoint(directory, tag=tag)
     if path is None:
         raise ConfigError(f"--load {directory}: DeepSpeed could not read checkpoint {tag}.")
     if cfg is not None:
@@ -157,4 +191,7 @@ def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | 
         set_rng_state(torch.load(rng_path, weights_only=False))  # our own file: numpy/python RNG tuples
     elif dist.get_rank() == 0:
         print(f"--load {directory}: no random state saved for this layout in {tag}; dropout streams restart.", flush=True)
+    if dist.get_rank() == 0:
+        print(f"--load {directory}: resumed from {tag} at iteration {client_state.get('iteration', 0)}, at the layout "
+              "it was saved at.", flush=True)
     return client_state

@@ -42,6 +42,8 @@ def parse_finetune_args(argv: Optional[list[str]] = None) -> RunConfig:
     load = cfg.train.load
     if not load:
         return cfg
+    from .checkpoint import require_checkpoint
+    require_checkpoint(load, cfg.train.ckpt_step)  # a mistyped path must not fine-tune a random model
     return parse_args(argv, base=checkpoint_settings(load))
 
 

@@ -27,9 +27,10 @@ from ..config import ConfigError, RunConfig
 from ..data.builtin import builtin_prefix
 from ..data.chat_dataset import ChatData, DPOPairs, SFTRows, check_tokenizer
 from ..data.chat_template import TEMPLATE_FILE
-from ..data.gpt_dataset import build_gpt_datasets
+from ..data.gpt_dataset import build_gpt_datasets, parse_data_path
+from ..data.indexed import IndexedDataset
 from ..data.mock import MockDocuments
-from ..data.tokenizers import build_tokenizer
+from ..data.tokenizers import build_tokenizer, flags_text
 from ..model.gpt import LMLoss
 from ..parallel.loss import global_counts, loss_scales
 from ..parallel.tensor_parallel import IGNORE_INDEX
@@ -46,7 +47,23 @@ class PretrainTask:
         self.scales = None  # the step's loss scales: every micro-batch holds as many tokens, so one value for the run
 
     def check(self) -> None:
-        """Before any process group: the data suits the task (files read, nothing launched)."""
+        """Before any process group: the data suits the task (files read, nothing launched): every
+        token id of ``--data-path`` has a row in the model's embedding, which would otherwise end
+        the first step in an IndexError."""
+        d, vocab = self.cfg.data, self.cfg.model.vocab_size
+        if d.data_path is None:
+            return  # the built-in corpus (bytes) or --mock-data (the tokenizer's own ids)
+        for prefix in parse_data_path(d.data_path)[0]:
+            largest, recorded = IndexedDataset(prefix).largest_token_id()
+            if largest < vocab:
+                continue
+            typed = self.cfg.typed if self.cfg.typed is not None else self.cfg.explicit
+            sized = d.tokenizer_type == "NullTokenizer" or "vocab_size" in typed
+            given = flags_text({"tokenizer_type": d.tokenizer_type, **({"vocab_size": vocab} if sized else {})})
+            fix = (f"it was preprocessed with {flags_text(recorded)}: give the same flags" if recorded else
+                   "give the --tokenizer-type (and --tokenizer-model) it was preprocessed with, or a --vocab-size above that id")
+            raise ConfigError(f"--data-path {prefix} holds token ids up to {largest}, but the model's vocabulary has "
+                              f"{vocab} ({given}); {fix}.")
 
     def loss(self, reducer):
         """What the model ends in (``hybridlm.parallel.loss``'s contract)."""

@@ -22,7 +22,7 @@ from deepspeed.accelerator import get_accelerator
 from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
-from ..model.attention_backends import resolve_backend
+from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
 from ..model.cuda_graphs import capture_layers
 from ..model.execution import apply_recompute, apply_selective_recompute, compile_layers
 from ..model.specs import build_model, transformer_layers
@@ -47,6 +47,7 @@ from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
+from .replicas import ReplicaCheck, ReplicasDiverged
 from .step import release_cached_memory, run_step
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
@@ -89,12 +90,18 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
 
 
 def check_model_impl(cfg: RunConfig) -> str:
-    """The attention kernel and linear-layer library are usable here; returns the attention line for the log."""
+    """The attention kernels and linear-layer library are usable here: resolves the attention core and
+    (under CP's ring or all-gather) its block kernel once, and returns the attention line for the log."""
     m = cfg.model
     try:
-        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape, packing=m.packed_samples)
+        backend, why = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape,
+                                       packing=m.packed_samples, half_precision=m.half_precision)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    line = f"attention {backend} ({why})"
+    if cfg.parallel.context_parallel_size > 1 and cfg.parallel.cp_comm_type != "a2a":
+        m.attention_block_kernel = block_kernel_name(backend, m.half_precision, on_gpu())
+        line += f"; CP {cfg.parallel.cp_comm_type} blocks on {describe_block_kernel(m.attention_block_kernel)} kernel"
     te_usable = importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available()
     if m.cuda_graphs and not te_usable:
         raise ConfigError("--cuda-graphs needs a CUDA GPU and Transformer Engine, whose make_graphed_callables captures the layers "
@@ -106,7 +113,7 @@ def check_model_impl(cfg: RunConfig) -> str:
         if m.fp8_format and cfg.parallel.recompute_granularity:
             raise ConfigError("--fp8-format cannot be combined with --recompute-granularity yet: recomputing an FP8 "
                               "layer needs Transformer Engine's own checkpointing to replay its scaling state.")
-    return f"attention {backend} ({why})"
+    return line
 
 
 class TrainingStopped(RuntimeError):
@@ -224,8 +231,9 @@ def resume(run: Run) -> None:
     if t.load:
         client_state = checkpoint.load(run.engine, t.load, t.ckpt_step, cfg=run.cfg, ps=run.ps)
         if client_state is None:
-            if dist.get_rank() == 0:
-                print(f"--load {t.load}: no checkpoint there yet; starting from iteration 0", flush=True)
+            if dist.get_rank() == 0:  # Megatron's start from scratch, on which a requeued job's first run relies
+                print(f"warning: {checkpoint.no_checkpoint_reason(t.load)}: training starts from scratch at iteration 0, "
+                      "as Megatron-LM does; check the path if this run was meant to resume.", file=sys.stderr, flush=True)
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
@@ -302,6 +310,20 @@ def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     return loss
 
 
+def check_replicas_at_start(run: Run) -> Optional[ReplicaCheck]:
+    """--check-weight-hash-across-dp-replicas-interval: the check, made once before the first step (after a resume
+    too, as Megatron does); None when the flag is off."""
+    if run.cfg.train.check_weight_hash_across_dp_replicas_interval is None:
+        return None
+    replicas = ReplicaCheck(run.engine.module, run.ps.grad_reduction, run.ps.expert_dp)
+    replicas.check(run.iteration)
+    if dist.get_rank() == 0:
+        print(f"hybridlm: replica check every {run.cfg.train.check_weight_hash_across_dp_replicas_interval} steps: "
+              f"{replicas.describe()}; the replicas agree at iteration {run.iteration} ({1000 * replicas.last_seconds:.1f} ms)",
+              flush=True)
+    return replicas
+
+
 def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
@@ -326,6 +348,15 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     run = build_run(cfg, ds_config)
     t = cfg.train
     rank0 = dist.get_rank() == 0
+    if run.iteration >= t.train_iters:  # a requeue after the end, or a shorter --train-iters: exit 0 as Megatron does
+        if rank0:
+            samples = t.train_samples is not None
+            flag = "--train-samples" if samples else "--train-iters"
+            end = f"{flag} {t.train_samples}, {t.train_iters} iterations" if samples else f"{flag} {t.train_iters}"
+            print(f"hybridlm: --load {t.load} is at iteration {run.iteration}, at or past this run's end ({end}): nothing to "
+                  f"train; raise {flag} to train further.", flush=True)
+        early_exit.restore()
+        return []
     log = StepLog(cfg.model, world_size=dist.get_world_size(), tokens_per_step=run.tokens_per_step,
                   peak=peak_tflops(t.peak_tflops), metrics_file=t.metrics_file, enabled=rank0)
     if rank0:
@@ -346,6 +377,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
                               wandb_dir=t.wandb_dir or t.save, tensorboard_dir=t.tensorboard_dir,
                               config=cfg.to_dict(), wandb_resume_id=run.wandb_run_id)
     run.wandb_run_id = wandb_run_id(trackers) or run.wandb_run_id
+    replicas = check_replicas_at_start(run)
     profiler = StepProfiler(t.profile_step_range, t.profile_dir, dist.get_rank())
     profiler.step(run.iteration)  # a range starting at the first iteration starts here
     batches = data_iterator(run)
@@ -391,6 +423,8 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
             records.append(log.record_eval(iteration=run.iteration, loss=valid_loss))
             log_all(trackers, {"valid_loss": valid_loss, "valid_ppl": records[-1]["valid_ppl"]}, run.iteration)
             started = time.perf_counter()  # evaluation time is not training time
+        if replicas is not None and run.iteration % t.check_weight_hash_across_dp_replicas_interval == 0:
+            replicas.check(run.iteration)  # before a save: diverged replicas are never written as one model
         if t.save and t.save_interval and run.iteration % t.save_interval == 0:
             save_checkpoint(run)
         stop = early_exit.reason(run.iteration, device()) if run.iteration < t.train_iters else None
@@ -418,7 +452,7 @@ def main(argv: Optional[list[str]] = None, parse=parse_args) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         pretrain(argv, parse)
-    except (ConfigError, TrainingStopped) as e:
+    except (ConfigError, TrainingStopped, ReplicasDiverged) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 3
     except Preempted as e:
