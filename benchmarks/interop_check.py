@@ -74,13 +74,13 @@ def logits_check(out: str, checkpoint: str, device: str) -> float:
     from hybridlm.interop.reader import CheckpointReader
     from hybridlm.model.specs import build_model
     from hybridlm.model.weights import load_full_state_dict
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.state import SINGLE
 
     export_to_hf(checkpoint, os.path.join(out, "hf"), dtype="fp32", progress=False)
     tag = resolve_tag_dir(checkpoint)
     cfg = read_info(tag).model_config(tp=1)
-    model = build_model(cfg, ParallelPlan(SINGLE, device=device)).eval()
+    model = build_model(cfg, LayerFactory(device=device)).eval()
     reader = CheckpointReader(tag)
     load_full_state_dict(model, {n: reader.weight(n).float() for n in reader.names()}, SINGLE)
     hf = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32).to(device).eval()

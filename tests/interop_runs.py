@@ -104,11 +104,11 @@ def hybridlm_logits(weights: dict, settings_dir: str, tokens: torch.Tensor) -> t
     from hybridlm.interop.layout import read_info, resolve_tag_dir
     from hybridlm.model.specs import build_model
     from hybridlm.model.weights import load_full_state_dict
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.state import SINGLE
 
     cfg = read_info(resolve_tag_dir(settings_dir)).model_config(tp=1)
-    model = build_model(cfg, ParallelPlan(SINGLE)).eval()
+    model = build_model(cfg, LayerFactory()).eval()
     load_full_state_dict(model, {k: v.float() for k, v in weights.items()}, SINGLE)
     with torch.no_grad():
         return model(tokens).permute(1, 0, 2)[..., : cfg.vocab_size]

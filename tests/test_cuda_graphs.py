@@ -100,7 +100,7 @@ def test_capture_finds_every_te_module_a_layer_calls_for_its_fp8_bookkeeping():
     from hybridlm.config import ModelConfig
     from hybridlm.model.gpt import TransformerLayer
     from hybridlm.model.transformer_engine import _TEModuleCall, te_modules_in
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory, LocalOps
     made = []
 
     class StandIn(_TEModuleCall):
@@ -108,8 +108,8 @@ def test_capture_finds_every_te_module_a_layer_calls_for_its_fp8_bookkeeping():
             self.module, self.phase = torch.nn.Identity(), None
             made.append(self.module)
 
-    plan = ParallelPlan(local_matmul=StandIn, local_norm_matmul=StandIn, local_norm_mlp=StandIn)
-    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, **LLAMA_BLOCK_SETTINGS), plan)
+    factory = LayerFactory(ops=LocalOps(matmul=StandIn, norm_matmul=StandIn, norm_mlp=StandIn))
+    layer = TransformerLayer(ModelConfig(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, **LLAMA_BLOCK_SETTINGS), factory)
     assert layer.mlp.fused is not None, "the norm + MLP block was not fused: the test would not look inside its wrapper"
     assert {id(m) for m in te_modules_in(layer)} == {id(m) for m in made}
 
@@ -118,15 +118,15 @@ def _tiny_layers(fp8: bool):
     from hybridlm.config import ModelConfig
     from hybridlm.model.gpt import TransformerLayer
     from hybridlm.model.transformer_engine import MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory, LocalOps
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, group_query_attention=True, num_query_groups=2,
                       ffn_hidden_size=128, seq_length=32, vocab_size=512, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)  # cuDNN's is not captured this small
     phase = MicroBatchPhase()
-    te = dict(local_matmul=lambda w, b: TELocalMatmul(w, b, phase),
-              local_norm_matmul=lambda n, w, b: TELocalNormMatmul(n, w, b, phase),
-              local_norm_mlp=lambda n, w1, w2, a: TELocalNormMLP(n, w1, w2, a, phase)) if fp8 else {}
-    plan = ParallelPlan(device="cuda", dtype=torch.bfloat16, **te)
-    layers = [TransformerLayer(cfg, plan, layer_number=i) for i in range(cfg.num_layers)]
+    te = dict(matmul=lambda w, b: TELocalMatmul(w, b, phase),
+              norm_matmul=lambda n, w, b: TELocalNormMatmul(n, w, b, phase),
+              norm_mlp=lambda n, w1, w2, a: TELocalNormMLP(n, w1, w2, a, phase)) if fp8 else {}
+    factory = LayerFactory(ops=LocalOps(**te), device="cuda", dtype=torch.bfloat16)
+    layers = [TransformerLayer(cfg, factory, layer_number=i) for i in range(cfg.num_layers)]
     generator = torch.Generator("cuda").manual_seed(0)
     with torch.no_grad():
         for p in (p for layer in layers for p in layer.parameters() if p.dim() == 2):
@@ -164,6 +164,7 @@ def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_
     from transformer_engine.common import recipe as te_recipe
 
     from hybridlm.model.cuda_graphs import capture_layers
+    from hybridlm.model.execution import compile_layer
     from hybridlm.model.transformer_engine import fp8_context, te_modules_in
     from hybridlm.model.wgrad_fusion import MainGrads
     layers, phase = _tiny_layers(fp8)
@@ -171,7 +172,7 @@ def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_
     reference, reference_phase = _tiny_layers(fp8)  # same parameters, its own (uncaptured) TE modules
     if compiled:  # compiled whole: capture must not be the first call (TE's warmup hooks would force a recompile there)
         for layer in layers + reference:
-            layer.compile_body()
+            compile_layer(layer)
     recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID) if fp8 else None
     context = (lambda: fp8_context(recipe)) if fp8 else contextlib.nullcontext
     hook_calls = []
@@ -241,14 +242,15 @@ def test_a_layer_compiled_whole_is_compiled_for_the_capture_before_the_warmup_ho
 
     from hybridlm.config import ModelConfig
     from hybridlm.model.cuda_graphs import _first_calls_outside_capture
+    from hybridlm.model.execution import compile_layer
     from hybridlm.model.gpt import TransformerLayer
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     torch._dynamo.reset()
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, seq_length=8,
                       vocab_size=64, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)
-    layers = [TransformerLayer(cfg, ParallelPlan(), layer_number=i) for i in range(2)]
+    layers = [TransformerLayer(cfg, LayerFactory(), layer_number=i) for i in range(2)]
     for layer in layers:
-        layer.compile_body(backend="eager")
+        compile_layer(layer, backend="eager")
     samples = tuple((torch.randn(8, 2, 32, requires_grad=True),) for _ in layers)
     _first_calls_outside_capture(layers, samples, recipe=None, calls=calls)
     hooks = [m.register_forward_hook(lambda *_: None) for layer in layers for m in layer.modules()]

@@ -132,7 +132,8 @@ def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradien
     from hybridlm.config import ModelConfig
     from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.loss import LossReducer
+    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.state import SINGLE
     from hybridlm.parallel.tensor_parallel import IGNORE_INDEX
     from hybridlm.presets import LLAMA_BLOCK_SETTINGS
@@ -144,7 +145,7 @@ def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradien
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=96, seq_length=12,
                       untie_embeddings_and_output_weights=not tied, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 128
-    model = build_model(cfg, ParallelPlan(), loss=MaskedLMLoss(ParallelPlan(), cfg.vocab_size))
+    model = build_model(cfg, LayerFactory(), loss=MaskedLMLoss(LossReducer(), cfg.vocab_size))
     init_parameters(model, seed=0, tp=SINGLE)
     torch.manual_seed(0)
     seen = []
@@ -155,7 +156,7 @@ def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradien
     labels[0, :7] = labels[1, 3:5] = labels[2] = IGNORE_INDEX
     scale = torch.tensor([0.25])
     results = []
-    for loss_fn in (model.loss_fn, EveryPosition(ParallelPlan(), cfg.vocab_size)):
+    for loss_fn in (model.loss_fn, EveryPosition(LossReducer(), cfg.vocab_size)):
         model.loss_fn = loss_fn
         model.zero_grad()
         loss = model(tokens, (labels, scale))
@@ -167,7 +168,7 @@ def test_the_head_runs_only_on_labelled_positions_with_the_same_loss_and_gradien
     for name, grad in every_grads.items():
         assert torch.allclose(picked_grads[name], grad, rtol=1e-5, atol=1e-7), name
     labels[:] = IGNORE_INDEX
-    model.loss_fn = MaskedLMLoss(ParallelPlan(), cfg.vocab_size)
+    model.loss_fn = MaskedLMLoss(LossReducer(), cfg.vocab_size)
     assert model(tokens, (labels, scale)).item() == 0.0 and seen[-1] == torch.Size([1, 1, 32])
 
 

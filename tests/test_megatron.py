@@ -156,12 +156,12 @@ def test_schedule_flags_refuse_what_megatron_refuses(argv, sentence):
 
 def test_decoupled_lr_gives_embedding_and_output_their_own_rate_on_the_same_schedule():
     from hybridlm.model.specs import build_model
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.training.optim import WarmupDecayLR, param_groups
     cfg = parse_args(SMALL + ["--untie-embeddings-and-output-weights", "--train-iters", "10", "--lr", "1e-3",
                               "--min-lr", "1e-4", "--decoupled-lr", "5e-4", "--decoupled-min-lr", "4.5e-5"]).validate(1)
     cfg.model.padded_vocab_size = 512
-    model = build_model(cfg.model, ParallelPlan())
+    model = build_model(cfg.model, LayerFactory())
     groups = param_groups(model, 0.1, cfg.train.decoupled_lr, cfg.train.decoupled_min_lr)
     decoupled = next(g for g in groups if g["name"] == "decoupled_lr")
     assert {id(p) for p in decoupled["params"]} == {id(model.forward_funcs[0].word_embeddings.weight),
@@ -178,9 +178,10 @@ def test_decoupled_lr_gives_embedding_and_output_their_own_rate_on_the_same_sche
 # ---------------------------------------------------------------- model flags
 
 def test_uniform_recompute_checkpoints_groups_of_layers_and_block_the_first_layers():
-    from hybridlm.model.specs import apply_recompute, build_model
+    from hybridlm.model.execution import apply_recompute
+    from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.state import SINGLE
     calls = []
 
@@ -193,12 +194,10 @@ def test_uniform_recompute_checkpoints_groups_of_layers_and_block_the_first_laye
     losses = {}
     for method, n, units in ((None, None, 0), ("uniform", 2, 3), ("block", 2, 2), ("uniform", 1, 5)):
         torch.manual_seed(0)
-        plan = ParallelPlan()
-        plan._checkpoint = counting_checkpoint
-        model = build_model(cfg, plan)
+        model = build_model(cfg, LayerFactory())
         init_parameters(model, 5, SINGLE)
         if method:
-            assert apply_recompute(model, n, method) == units
+            assert apply_recompute(model, n, method, checkpoint=counting_checkpoint) == units
         calls.clear()
         losses[method, n] = model(tokens, tokens).item()
         assert len(calls) == units
@@ -217,13 +216,13 @@ def test_uniform_recompute_trains_as_without_recompute():
 def test_layernorm_1p_is_the_same_function_with_the_gain_minus_one(normalization):
     from hybridlm.interop.hf_names import LLAMA, parameter_rules
     from hybridlm.model.specs import build_model
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory
     flags = SMALL + [*LLAMA_BLOCK, "--normalization", normalization]
     plain, one_p = parse_args(flags).model, parse_args(flags + ["--apply-layernorm-1p"]).model
     plain.padded_vocab_size = one_p.padded_vocab_size = 512
     torch.manual_seed(0)
-    a = build_model(plain, ParallelPlan())
-    b = build_model(one_p, ParallelPlan())
+    a = build_model(plain, LayerFactory())
+    b = build_model(one_p, LayerFactory())
     with torch.no_grad():
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             p.normal_(0.0, 0.1)

@@ -15,7 +15,7 @@ import torch
 from hybridlm.config import FUSED_OPS, ModelConfig
 from hybridlm.model.gpt import TransformerLayer
 from hybridlm.ops import reference_kernels, select_kernels
-from hybridlm.parallel.plan import ParallelPlan
+from hybridlm.parallel.plan import LayerFactory, LocalOps
 from hybridlm.presets import LLAMA_BLOCK_SETTINGS
 
 from kernel_checks import DTYPES, TOLERANCE, check_rms_norm, check_rotary, check_swiglu, fresh_generator, relative_error
@@ -79,14 +79,14 @@ def test_transformer_layer_with_kernels_is_as_accurate_as_pytorch(kernels, gen, 
     cfg = ModelConfig(hidden_size=256, num_attention_heads=4, group_query_attention=True, num_query_groups=2, ffn_hidden_size=704,
                       seq_length=64, vocab_size=512, attention_backend="sdpa", **LLAMA_BLOCK_SETTINGS)
     torch.manual_seed(gen.initial_seed())
-    master = TransformerLayer(cfg, ParallelPlan(device="cuda", dtype=torch.float32))
+    master = TransformerLayer(cfg, LayerFactory(device="cuda", dtype=torch.float32))
     for p in master.parameters():
         torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.05)
     x = torch.randn(64, 3, 256, device="cuda", generator=gen)
     dy = torch.randn(64, 3, 256, device="cuda", generator=gen)
 
     def run(kernel_set, run_dtype):
-        module = TransformerLayer(cfg, ParallelPlan(device="cuda", dtype=run_dtype, kernels=kernel_set))
+        module = TransformerLayer(cfg, LayerFactory(ops=LocalOps(kernels=kernel_set), device="cuda", dtype=run_dtype))
         module.load_state_dict({k: v.to(run_dtype) for k, v in master.state_dict().items()})
         inp = x.to(run_dtype).clone().requires_grad_()
         out = module(inp)

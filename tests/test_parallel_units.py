@@ -109,13 +109,14 @@ def test_same_seed_gives_same_full_model_at_any_tp_and_pp():
 
 def test_full_recompute_marks_first_layers_of_each_stage():
     from hybridlm.config import ModelConfig
-    from hybridlm.model.specs import apply_recompute, build_model
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.model.execution import apply_recompute
+    from hybridlm.model.specs import build_model
+    from hybridlm.parallel.plan import LayerFactory
     cfg = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=256, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
-    model = build_model(cfg, ParallelPlan())
+    model = build_model(cfg, LayerFactory())
     assert apply_recompute(model, 3) == 3
-    flags = [m.recompute for m in model.forward_funcs if hasattr(m, "recompute")]
+    flags = model.layer_steps.recomputed()
     assert flags == [True, True, True, False]
 
 
@@ -124,13 +125,14 @@ def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
     import torch._dynamo.utils as dynamo_utils
 
     from hybridlm.config import ModelConfig
-    from hybridlm.model.specs import build_model, compile_layers
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.model.execution import compile_layers
+    from hybridlm.model.specs import build_model
+    from hybridlm.parallel.plan import LayerFactory
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
-    model = build_model(cfg, ParallelPlan())
+    model = build_model(cfg, LayerFactory())
     assert compile_layers(model) == 3
     tokens = torch.randint(0, 256, (2, 16))
     model(tokens, tokens).backward()
@@ -143,9 +145,10 @@ def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_t
     import torch._dynamo.utils as dynamo_utils
 
     from hybridlm.config import ModelConfig
-    from hybridlm.model.specs import build_model, compile_layers
+    from hybridlm.model.execution import compile_layers
+    from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory, LocalOps
     from hybridlm.parallel.state import SINGLE
 
     def matmul(weight, bias):
@@ -165,7 +168,7 @@ def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_t
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
     for compiled in (False, True):
-        model = build_model(cfg, ParallelPlan(local_matmul=matmul, local_norm_matmul=norm_matmul, local_norm_mlp=norm_mlp))
+        model = build_model(cfg, LayerFactory(ops=LocalOps(matmul=matmul, norm_matmul=norm_matmul, norm_mlp=norm_mlp)))
         init_parameters(model, 5, SINGLE)
         graphs = []
 
@@ -192,14 +195,15 @@ def _compiled_tp_graphs(flags: list[str]) -> list[list[str]]:
     import torch.distributed as dist
 
     from hybridlm.config import parse_args
-    from hybridlm.model.specs import build_model, compile_layers
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.model.execution import compile_layers
+    from hybridlm.model.specs import build_model
+    from hybridlm.parallel.plan import LayerFactory, ModelGroups
     from hybridlm.parallel.state import GroupHandle
     from hybridlm.training.trainer import prepare_config
     dist.init_process_group("gloo")
     cfg, _ = prepare_config(parse_args(flags))
     tp = GroupHandle(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
-    model = build_model(cfg.model, ParallelPlan(tp, sequence_parallel=True))
+    model = build_model(cfg.model, LayerFactory(ModelGroups(tp=tp), sequence_parallel=True))
     graphs = []
 
     def record(gm, example_inputs):
@@ -234,7 +238,7 @@ def _norm_fused_into_linears_vs_separate(flags: list[str]) -> dict:
     from hybridlm.config import parse_args
     from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory, LocalOps, ModelGroups
     from hybridlm.parallel.state import GroupHandle
     from hybridlm.training.trainer import prepare_config
     dist.init_process_group("gloo")
@@ -253,10 +257,10 @@ def _norm_fused_into_linears_vs_separate(flags: list[str]) -> dict:
 
     tokens = torch.randint(0, cfg.model.padded_vocab_size, (2, cfg.model.seq_length), generator=torch.Generator().manual_seed(0))
     results = {}
-    variants = (("separate", {}), ("fused", dict(local_norm_matmul=norm_then_linear)),
-                ("fused block", dict(local_norm_matmul=norm_then_linear, local_norm_mlp=norm_then_mlp)))
+    variants = (("separate", {}), ("fused", dict(norm_matmul=norm_then_linear)),
+                ("fused block", dict(norm_matmul=norm_then_linear, norm_mlp=norm_then_mlp)))
     for name, factories in variants:
-        model = build_model(cfg.model, ParallelPlan(tp, **factories))
+        model = build_model(cfg.model, LayerFactory(ModelGroups(tp=tp), ops=LocalOps(**factories)))
         init_parameters(model, 1234, tp)
         loss = model(tokens, tokens)
         loss.backward()

@@ -131,7 +131,7 @@ def _train(flags: list[str], fused: bool, captured: bool = False, steps: int = 3
     from hybridlm.model.specs import build_model
     from hybridlm.model.transformer_engine import te_modules_in
     from hybridlm.model.weights import init_parameters
-    from hybridlm.parallel.plan import ParallelPlan
+    from hybridlm.parallel.plan import LayerFactory, LocalOps, ModelGroups
     from hybridlm.parallel.random import seed_everything
     from hybridlm.parallel.state import ParallelState
     from hybridlm.training.distributed import init_distributed
@@ -144,9 +144,9 @@ def _train(flags: list[str], fused: bool, captured: bool = False, steps: int = 3
     ps = ParallelState(tp=p.tensor_model_parallel_size, pp=1, dp=p.data_parallel_size, ep=1)
     seed_everything(t.seed, ps.tp.rank, ps.pp.rank)
     phase = MicroBatchPhase()
-    plan = ParallelPlan(ps.tp, sequence_parallel=p.sequence_parallel, local_matmul=partial(StandInMatmul, phase=phase, captured=captured),
-                        local_norm_mlp=partial(StandInNormMLP, phase=phase, captured=captured))
-    model = build_model(cfg.model, plan)
+    ops = LocalOps(matmul=partial(StandInMatmul, phase=phase, captured=captured),
+                   norm_mlp=partial(StandInNormMLP, phase=phase, captured=captured))
+    model = build_model(cfg.model, LayerFactory(ModelGroups(tp=ps.tp), sequence_parallel=p.sequence_parallel, ops=ops))
     init_parameters(model, t.seed, ps.tp, ps.ep)
     main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if fused else None
     optimizer, _ = build_optimizer(model, t, ps, zero_stage=p.zero_stage, offloading=False, on_gpu=False)

@@ -9,7 +9,9 @@ what lets a parallel run equal the single-process run, and the position to resum
 is simply ``consumed_samples = t*G``. Under context parallelism each CP rank of a DP rank
 reads the same samples and keeps its slice of each sequence: this is the one place a
 sample is sliced (``context_slice``: tokens, labels and position ids alike, in
-``hybridlm.parallel.context``'s load-balanced layout that attention, RoPE and the loss assume).
+``hybridlm.parallel.context``'s load-balanced layout that attention and the loss assume). The
+rows' positions travel with them then (``with_positions``), sliced like the rest: RoPE rotates
+each token by the position the batch gives it, and knows nothing of the layout.
 """
 from __future__ import annotations
 
@@ -32,9 +34,20 @@ def micro_batches(stream, *, micro_batch_size: int, global_batch_size: int, dp_r
     while True:
         for m in range(accumulation):
             first = iteration * global_batch_size + m * per_micro_step + dp_rank * micro_batch_size
-            inputs, labels = (context_slice(part, cp_rank, cp_size) for part in stream.batch(first, micro_batch_size))
+            inputs, labels = stream.batch(first, micro_batch_size)
+            inputs = context_slice(with_positions(inputs, cp_size), cp_rank, cp_size)
+            labels = context_slice(labels, cp_rank, cp_size)
             yield to_device(inputs, device), to_device(labels, device)
         iteration += 1
+
+
+def with_positions(inputs, cp_size: int):
+    """Tokens [rows, sequence] -> (tokens, their positions 0..s-1 in every row) under context
+    parallelism, where a rank keeps a slice of each row and RoPE needs the slice's place in it;
+    rows that carry position ids already (packed samples), and any row without CP, as they are."""
+    if cp_size == 1 or isinstance(inputs, tuple):
+        return inputs
+    return inputs, torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
 
 
 def context_slice(t, cp_rank: int, cp_size: int):

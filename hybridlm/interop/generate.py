@@ -18,7 +18,7 @@ from torch import nn
 
 from ..model.gpt import Embedding, OutputLayer, TransformerLayer, tied_output
 from ..model.specs import build_model
-from ..parallel.plan import ParallelPlan
+from ..parallel.plan import LayerFactory, ModelGroups
 from ..parallel.state import GroupHandle
 from .layout import resolve_tag_dir, vocab_parameters
 from .reader import CheckpointReader
@@ -156,7 +156,7 @@ def load_for_generation(checkpoint: str, tp: GroupHandle, device, dtype: Optiona
         raise ValueError(f"--tp {tp.size} does not divide the model's {cfg.num_attention_heads} heads / {cfg.num_query_groups} groups")
     saved = reader.weight(reader.names()[0])
     dtype = dtype or (saved.dtype if saved.is_floating_point() else torch.float32)
-    model = build_model(cfg, ParallelPlan(tp, device=device, dtype=dtype))
+    model = build_model(cfg, LayerFactory(ModelGroups(tp=tp), device=device, dtype=dtype))
     vocab = vocab_parameters(cfg)
     with torch.no_grad():
         for name, param in model.named_parameters():

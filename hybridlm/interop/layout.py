@@ -216,11 +216,11 @@ def parameter_table(cfg: ModelConfig, tp: int, ep: int = 1) -> dict[str, ParamIn
     """Every parameter of the model at TP=tp, EP=ep: built on the meta device (no memory, no
     process group), in the order a single-stage model registers them."""
     from ..model.specs import build_model
-    from ..parallel.plan import ParallelPlan
+    from ..parallel.plan import LayerFactory, ModelGroups
     from ..parallel.state import GroupHandle
 
     portable = dataclasses.replace(cfg, **{k: v for k, v in PORTABLE_KERNELS.items() if hasattr(cfg, k)})
-    model = build_model(portable, ParallelPlan(GroupHandle(None, 0, tp), ep=GroupHandle(None, 0, ep), device="meta"))
+    model = build_model(portable, LayerFactory(ModelGroups(tp=GroupHandle(None, 0, tp), ep=GroupHandle(None, 0, ep)), device="meta"))
     table = {}
     for name, param in model.named_parameters():
         tp_sharding, ep_sharding = getattr(param, "tp_sharding", None), getattr(param, "ep_sharding", None)

@@ -11,13 +11,11 @@ class Rotary:
     cos/sin are computed in fp32 and cached per (length, device); not a module buffer,
     so a bf16 cast of the model never rounds the frequencies. ``kernel`` applies them
     (hybridlm.ops: a fused kernel, or the PyTorch definition). Each token is rotated by its
-    position: the batch's own position ids when it carries them (packed samples restart at 0),
-    else ``positions(length, device)``: the global positions of the rows a rank holds (context
-    parallelism: slices of the sequence), or None for 0..length-1."""
+    position: the one the batch gives it (packed samples restart at 0; under context parallelism
+    a rank's rows are slices of the sequence), else its row index 0..length-1."""
 
-    def __init__(self, head_dim: int, base: float, kernel=reference_ops.rotary, positions=None):
+    def __init__(self, head_dim: int, base: float, kernel=reference_ops.rotary):
         self.head_dim, self.base, self.kernel = head_dim, base, kernel
-        self.positions = positions
         self._cache: dict = {}
 
     def rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,19 +26,21 @@ class Rotary:
         return emb.cos(), emb.sin()
 
     def cos_sin(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [s, d] of the ``seq_len`` rows this rank holds."""
+        """cos, sin [s, d] of positions 0..seq_len-1."""
         key = (seq_len, str(device))
         if key not in self._cache:
-            positions = self.positions(seq_len, device) if self.positions is not None else None
-            self._cache = {key: self.rotation(torch.arange(seq_len, device=device) if positions is None else positions)}
+            self._cache = {key: self.rotation(torch.arange(seq_len, device=device))}
         return self._cache[key]
 
     def apply(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [s, b, heads, d]; ``position_ids`` [b, s] when the batch carries them (packed samples,
-        whose positions restart; then the PyTorch definition runs: the fused kernels take one
-        position table for all rows)."""
+        """x: [s, b, heads, d]; ``position_ids`` [s] (the same for every row) or [b, s] (each row
+        its own: packed samples, whose positions restart; then the PyTorch definition runs: the
+        fused kernels take one position table for all rows)."""
         if position_ids is None:
             cos, sin = self.cos_sin(x.shape[0], x.device)
+            return self.kernel(x, cos, sin)
+        if position_ids.dim() == 1:
+            cos, sin = self.rotation(position_ids)
             return self.kernel(x, cos, sin)
         cos, sin = self.rotation(position_ids.t())
         return reference_ops.rotary(x, cos, sin)

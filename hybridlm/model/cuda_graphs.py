@@ -50,6 +50,21 @@ class LayerGraph:
         return self.replay(x, is_first_microbatch=self.phase.first is not False)
 
 
+class ReplayInTraining:
+    """A captured layer's forward (set on the instance, as TE sets its replay): the graph in training
+    on activations alone, the layer's own forward otherwise (evaluation, generation; a pair with
+    position ids is never captured). The layer class knows nothing of it."""
+
+    def __init__(self, layer: nn.Module, graph: LayerGraph):
+        self.layer, self.graph = layer, graph
+        self.eager = type(layer).forward.__get__(layer)
+
+    def __call__(self, inputs):
+        if self.layer.training and not isinstance(inputs, tuple):
+            return self.graph(inputs)
+        return self.eager(inputs)
+
+
 @contextlib.contextmanager
 def grad_hooks_paused(params):
     """Parameters' post-accumulate-grad hooks (DeepSpeed's ZeRO 1/2 and bf16 optimizers put their
@@ -71,8 +86,8 @@ def grad_hooks_paused(params):
 def capture_layers(layers: list[nn.Module], shape: tuple[int, ...], *, recipe=None,
                    phase: Optional[MicroBatchPhase] = None, warmup: int = 3) -> None:
     """Capture ``layers`` (transformer layers, in order, in training mode) for activations of
-    ``shape`` [sequence, micro-batch, hidden]; from then on each layer's training forward is its
-    ``graph``. ``recipe``: the FP8 recipe (None: no FP8); ``phase``: with FP8, where the step is
+    ``shape`` [sequence, micro-batch, hidden]; from then on each layer's training forward replays
+    its graph (``ReplayInTraining``). ``recipe``: the FP8 recipe (None: no FP8); ``phase``: with FP8, where the step is
     (weight casts cached across its micro-batches)."""
     import transformer_engine.pytorch as te
     first = next(layers[0].parameters())
@@ -88,8 +103,8 @@ def capture_layers(layers: list[nn.Module], shape: tuple[int, ...], *, recipe=No
     if fp8:
         join_fp8_scaling(te_modules, recipe)
     for layer, cache in zip(layers, caches):
-        replay = layer.__dict__.pop("forward")  # TE set the replay as the instance's forward; the layer dispatches itself
-        layer.graph = LayerGraph(replay, torch.Size(shape), phase if fp8 else None, keep_alive=cache)
+        replay = layer.__dict__.pop("forward")  # TE set the replay as the instance's forward
+        layer.forward = ReplayInTraining(layer, LayerGraph(replay, torch.Size(shape), phase if fp8 else None, keep_alive=cache))
 
 
 def _first_calls_outside_capture(layers, samples, recipe, calls: int = 2) -> None:

@@ -5,12 +5,14 @@ PP > 1: the list becomes a ``deepspeed.pipe.PipelineModule`` (1F1B via
 is built whole into ``SequentialModel``, an ordinary module that ZeRO-2/3 and offload can
 wrap. ``SequentialModel`` registers layers under the same names PipelineModule does (the
 layer's index in the list, and ``tied_modules.<key>`` for tied layers), so a parameter
-has one name in every layout: initialisation and checkpoints key on it.
+has one name in every layout: initialisation and checkpoints key on it. Both run their
+transformer layers through ``LayerSteps`` (``hybridlm.model.execution``), where the execution
+policy (layer context, recompute, compile) wraps them without renaming anything.
 """
 from __future__ import annotations
 
-import contextlib
 from functools import partial
+from typing import Callable, Optional
 
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -18,21 +20,23 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..parallel.lora import add_adapters
-from ..parallel.plan import ParallelPlan
+from ..parallel.loss import LossReducer
+from ..parallel.plan import LayerFactory
+from .execution import LayerSteps
 from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_output
 
 TIED_KEY = "embed"
 TIED_ATTR = "word_embeddings.weight"
 
 
-def layer_specs(cfg: ModelConfig, plan: ParallelPlan, *, selective_recompute: bool = False) -> list:
+def layer_specs(cfg: ModelConfig, factory: LayerFactory) -> list:
     tied = not cfg.untie_embeddings_and_output_weights
-    embedding = TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, tied_weight_attr=TIED_ATTR) if tied else LayerSpec(Embedding, cfg, plan)
-    layers = [LayerSpec(TransformerLayer, cfg, plan, layer_number=i, selective_recompute=selective_recompute)
-              for i in range(cfg.num_layers)]
-    head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, plan, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
-            if tied else LayerSpec(OutputLayer, cfg, plan))
-    return [embedding, *layers, LayerSpec(FinalNorm, cfg, plan), head]
+    embedding = (TiedLayerSpec(TIED_KEY, Embedding, cfg, factory, tied_weight_attr=TIED_ATTR) if tied
+                 else LayerSpec(Embedding, cfg, factory))
+    layers = [LayerSpec(TransformerLayer, cfg, factory, layer_number=i) for i in range(cfg.num_layers)]
+    head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, factory, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
+            if tied else LayerSpec(OutputLayer, cfg, factory))
+    return [embedding, *layers, LayerSpec(FinalNorm, cfg, factory), head]
 
 
 class SequentialModel(nn.Module):
@@ -40,13 +44,13 @@ class SequentialModel(nn.Module):
     A loss with ``select_positions(hidden, labels) -> (hidden, labels)`` picks the positions the
     head runs on (with a fine-tuning mask, about half of them: the head's GEMM over a 150k
     vocabulary is 15% of a 1.5B Qwen2's GEMM work, and its cross-entropy reads every logit).
-    ``context`` wraps the run of transformer layers (the plan's layer context: FP8 autocast,
-    entered once around all of them, not only per layer, so that TE updates its scaling once
-    per pass; the embedding and output head stay outside, in bf16)."""
+    ``context`` wraps the run of transformer layers (the layer context: FP8 autocast, entered once
+    around all of them as well as per layer, so that TE updates its scaling once per pass; the
+    embedding and output head stay outside, in bf16)."""
 
-    def __init__(self, specs: list, loss_fn, context=contextlib.nullcontext):
+    def __init__(self, specs: list, loss_fn, context: Optional[Callable] = None):
         super().__init__()
-        self.loss_fn, self.context = loss_fn, context
+        self.loss_fn = loss_fn
         self.tied_modules = nn.ModuleDict()
         self.forward_funcs = []
         for index, spec in enumerate(specs):
@@ -59,18 +63,19 @@ class SequentialModel(nn.Module):
                 module = spec.build()
                 self.add_module(str(index), module)
                 self.forward_funcs.append(module)
-        blocks = [i for i, f in enumerate(self.forward_funcs) if isinstance(f, TransformerLayer)]
-        self.block_span = (blocks[0], blocks[-1] + 1) if blocks else (0, 0)
+        self.layer_steps = LayerSteps(self.forward_funcs, context)
 
     def forward(self, inputs, labels=None):
-        """``inputs``: tokens, or (tokens, position ids) for packed rows; ``labels``: what the loss takes."""
+        """``inputs``: tokens, or (tokens, position ids) when the batch carries them; ``labels``: what the loss takes."""
         x = inputs
-        first, end = self.block_span
+        first, end = self.layer_steps.span
         for layer in self.forward_funcs[:first]:
             x = layer(x)
-        with self.context():
-            for layer in self.forward_funcs[first:end]:
-                x = layer(x)
+        if self.layer_steps.context is None:
+            x = self.layer_steps(x)
+        else:
+            with self.layer_steps.context():
+                x = self.layer_steps(x)
         *norms, head = self.forward_funcs[end:]
         for layer in norms:
             x = layer(x)
@@ -81,24 +86,45 @@ class SequentialModel(nn.Module):
         return x if labels is None else self.loss_fn(x, labels)
 
 
-def build_model(cfg: ModelConfig, plan: ParallelPlan, *, topology=None, selective_recompute: bool = False,
-                loss=None) -> nn.Module:
-    """A PipelineModule when ``topology`` has more than one stage, else a SequentialModel.
-    ``loss(logits, labels)`` ends the model (default: the mean next-token loss, ``LMLoss``)."""
-    specs = layer_specs(cfg, plan, selective_recompute=selective_recompute)
-    loss = loss or LMLoss(plan, cfg.vocab_size)
+class PipelineModel(PipelineModule):
+    """DeepSpeed's pipeline module (PP > 1: 1F1B through ``engine.train_batch``, each stage building
+    its own layers), running its transformer layers through ``LayerSteps`` as ``SequentialModel``
+    does. ``forward_funcs`` stays DeepSpeed's list of built layers (its checkpoints read it)."""
+
+    def __init__(self, *args, layer_context: Optional[Callable] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layer_steps = LayerSteps(self.forward_funcs, layer_context)
+
+    def forward(self, inputs):
+        first, end = self.layer_steps.span
+        for layer in self.forward_funcs[:first]:
+            inputs = layer(inputs)
+        inputs = self.layer_steps(inputs)
+        for layer in self.forward_funcs[end:]:
+            inputs = layer(inputs)
+        return inputs
+
+
+def build_model(cfg: ModelConfig, factory: LayerFactory, *, topology=None, loss=None,
+                layer_context: Optional[Callable] = None) -> nn.Module:
+    """A PipelineModel when ``topology`` has more than one stage, else a SequentialModel.
+    ``loss(logits, labels)`` ends the model (default: next-token prediction, ``LMLoss``);
+    ``layer_context``: what the transformer layers run under (FP8 autocast), the first of the
+    execution wrappers (``hybridlm.model.execution``)."""
+    specs = layer_specs(cfg, factory)
+    loss = loss or LMLoss(LossReducer(factory.tp, factory.groups.cp, factory.sequence_parallel), cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
         # no_grad: the constructor broadcasts the tied embedding from the first stage to the last in
         # place (DeepSpeed's _synchronize_tied_weights), a copy no gradient should flow through; with
         # grad mode on, c10d's broadcast_ (no autograd kernel) leaves the parameter warning at every
         # backward that it "may lead to silently incorrect behavior"
         with torch.no_grad():
-            model = PipelineModule(layers=specs, loss_fn=loss, topology=topology,
-                                   partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
+            model = PipelineModel(layers=specs, loss_fn=loss, topology=topology, layer_context=layer_context,
+                                  partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
     else:
-        model = SequentialModel(specs, loss, context=plan.layer_context)
+        model = SequentialModel(specs, loss, context=layer_context)
     if cfg.lora_rank:  # adapters on this stage's target linears, the rest frozen (hybridlm.parallel.lora)
-        add_adapters(model, cfg, plan)
+        add_adapters(model, cfg, factory)
     return model
 
 
@@ -110,34 +136,3 @@ def local_layers(model: nn.Module) -> list:
 def transformer_layers(model: nn.Module) -> list:
     """This rank's transformer layers, in order."""
     return [f for f in local_layers(model) if isinstance(f, TransformerLayer)]
-
-
-def apply_recompute(model: nn.Module, num_layers: int | None, method: str | None = None) -> int:
-    """Full recompute of this stage's transformer layers, as Megatron-LM's ``--recompute-method``:
-    ``block`` (or none given) recomputes the first ``num_layers`` layers (all if None), each one
-    checkpoint; ``uniform`` checkpoints every group of ``num_layers`` consecutive layers as one
-    unit (its input is all that is kept). Returns the number of checkpointed units."""
-    blocks = transformer_layers(model)
-    if method != "uniform":
-        chosen = blocks if num_layers is None else blocks[:num_layers]
-        for block in chosen:
-            block.recompute = True
-        return len(chosen)
-    units = [blocks[i:i + num_layers] for i in range(0, len(blocks), num_layers)]
-    for unit in units:
-        unit[0].recompute, unit[0].recompute_unit = True, unit[1:]
-        for follower in unit[1:]:
-            follower.computed_by_unit = True
-    return len(units)
-
-
-def compile_layers(model: nn.Module, backend="inductor") -> int:
-    """torch.compile this rank's transformer layers in place (parameter names unchanged).
-
-    All layers share their graphs: dynamo treats module parameters as inputs, so the
-    compile happens once per distinct layer shape, not once per layer. Under TP each layer
-    is several graphs, split at the collectives (which run eagerly: ``parallel.sequence``)."""
-    blocks = transformer_layers(model)
-    for block in blocks:
-        block.compile_body(backend)
-    return len(blocks)

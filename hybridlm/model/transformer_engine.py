@@ -36,7 +36,7 @@ class _TEModuleCall:
     """Calls a TE module (``self.module``) outside compiled graphs, telling it where in the step it runs.
 
     TE's autograd functions and FP8 scaling state are not traceable, so under --torch-compile a
-    layer compiles only what lies between its GEMMs (``TransformerLayer.compile_body``)."""
+    layer compiles only what lies between its GEMMs (``hybridlm.model.execution.compile_layer``)."""
 
     module: nn.Module
     phase: MicroBatchPhase

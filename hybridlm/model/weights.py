@@ -61,7 +61,7 @@ def initial_value(name: str, param: nn.Parameter, seed: int, tp: GroupHandle, ep
     within +-``init_bound`` (LoRA's A, as Kaiming's), or the constant ``init_value``."""
     std, bound, value = (getattr(param, key, None) for key in ("init_std", "init_bound", "init_value"))
     if std is None and bound is None and value is None:
-        raise RuntimeError(f"parameter {name} has no initialisation rule (was it created outside the ParallelPlan?)")
+        raise RuntimeError(f"parameter {name} has no initialisation rule (was it created outside the LayerFactory?)")
     shape = _full_shape(param, tp, ep)
     if std is None and bound is None:
         full = torch.full(shape, value, device=param.device, dtype=torch.float32)

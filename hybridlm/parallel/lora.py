@@ -87,7 +87,7 @@ def lora_alpha(cfg) -> float:
     return cfg.lora_alpha if cfg.lora_alpha is not None else float(cfg.lora_rank)
 
 
-def add_adapters(model: nn.Module, cfg, plan) -> int:
+def add_adapters(model: nn.Module, cfg, factory) -> int:
     """Attach a LoRA adapter to each target linear of this rank's layers (``cfg.lora_target_names()``),
     freeze every other parameter; returns the number of adapters. Before initialisation: the
     adapters' parameters are initialised from the seed by name like the rest."""
@@ -101,8 +101,9 @@ def add_adapters(model: nn.Module, cfg, plan) -> int:
         if len(parts) < 2 or tuple(parts[-2:]) not in wanted or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         column = isinstance(module, ColumnParallelLinear)
-        rng = plan.region_rng if column else plan.split_rng  # the input: replicated or a sequence slice; or TP-split columns
-        module.lora = LoRA(module, cfg.lora_rank, alpha, cfg.lora_dropout, plan.tp, sequence_parallel=plan.sequence_parallel, rng=rng)
+        rng = factory.rng.region if column else factory.rng.split  # the input: replicated or a sequence slice; or TP-split columns
+        module.lora = LoRA(module, cfg.lora_rank, alpha, cfg.lora_dropout, factory.tp, sequence_parallel=factory.sequence_parallel,
+                           rng=rng)
         count += 1
     return count
 

@@ -25,7 +25,8 @@ One micro-batch on one rank:
   5. weighted sum per token, then leave the TP region (all-reduce / reduce-scatter).
 
 The auxiliary losses never travel with the activations: ``_AttachAuxLoss`` seeds their
-gradient during backward with the scale DeepSpeed applies to the LM loss (1/GAS), as if
+gradient during backward with the scale the loss contract states for them
+(``hybridlm.parallel.loss.aux_loss_scale``: 1/GAS, which DeepSpeed applies to the LM loss), as if
 they had been added to it, so each pipeline stage backpropagates its own layers' aux
 loss and the block interface stays one tensor in, one tensor out (Megatron-core's
 ``MoEAuxLossAutoScaler``). Their values are kept in ``stats`` for the log. They are
@@ -203,7 +204,7 @@ class MoELayer(nn.Module):
                                       scaled_init_std(cfg.init_method_std, cfg.num_layers), device, dtype)
         self.deepspeed_groups = DeepSpeedExpertGroups(experts, ep, expert_dp)
         self.stats = RoutingStats(experts)
-        self.aux_loss_scale = 1.0  # gradient of the aux losses; the trainer sets 1/GAS like DeepSpeed's loss scaling
+        self.aux_loss_scale = 1.0  # gradient of the aux losses; the trainer sets parallel.loss.aux_loss_scale
         self.global_counts, self.global_micro_batches = None, 0  # global_aux_loss: this step's DP x CP-summed counts so far
 
     def _expert_weight(self, shape, tp_sharding: Sharding, init_std: float, device, dtype) -> nn.Parameter:
@@ -345,7 +346,7 @@ def end_moe_step(model: nn.Module, grad_reduction: GroupHandle, bias_update_rate
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
-    """The gradient the aux losses get in backward: DeepSpeed divides the LM loss by GAS."""
+    """The gradient the aux losses get in backward (``hybridlm.parallel.loss.aux_loss_scale``)."""
     for module in model.modules():
         if isinstance(module, MoELayer):
             module.aux_loss_scale = scale

@@ -1,28 +1,73 @@
-"""The layer factory the model is built with: tensor-parallel layers for a TP group.
+"""The layer factory the model is built with, and the two small records it is built from.
 
-The blocks in ``hybridlm.model.gpt`` ask this object for "a linear whose output is
-split", "a linear whose input is split", "an embedding", "a norm", "routed experts",
-and for the points where activations enter and leave the sequence-sharded region. They never ask whether
-they are tensor- or sequence-parallel: with TP=1 the same layers degrade to plain
-matmuls with no communication.
+The blocks in ``hybridlm.model.gpt`` ask a ``LayerFactory`` for "a linear whose output is
+split", "a linear whose input is split", "an embedding", "a norm", "routed experts", "the
+attention core over the whole sequence", and for the points where activations enter and leave
+the sequence-sharded region. They never ask whether they are tensor-, sequence- or
+context-parallel: with one rank in every group the same layers degrade to plain matmuls with no
+communication.
+
+The parallel set-up is split by responsibility, each part handed only to who needs it:
+
+    ModelGroups     the process groups the layers communicate over (from ``ParallelState``)
+    LocalOps        which implementation computes each rank-local piece (PyTorch or fused
+                    kernels; Transformer Engine's GEMMs)
+    LayerFactory    the layers of a block, for those groups and implementations (here)
+    RandomStreams   which random stream a dropout draws from (``hybridlm.parallel.random``)
+    recompute_in_backward   activation recompute (``hybridlm.parallel.random``)
+    LossReducer     what a loss asks of the layout, beside the loss contract (``hybridlm.parallel.loss``)
+
+How the built layers run (the FP8 context, recompute, compile, CUDA graphs) is applied to the
+layer list from outside (``hybridlm.model.execution``).
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from ..ops import Kernels, reference_kernels
-from .context import ContextParallelAttention, load_balanced_positions, sum_over_context_parallel
+from .context import ContextParallelAttention
 from .moe import MoELayer
-from .random import tensor_parallel_rng
+from .random import RandomStreams
 from .sequence import scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
-from .tensor_parallel import (IGNORE_INDEX, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                              column_parallel_matmul, copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter,
-                              vocab_parallel_cross_entropy)
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                              column_parallel_matmul, copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter)
+
+
+@dataclass(frozen=True)
+class ModelGroups:
+    """The process groups the model's layers communicate over. ``cp`` splits every sample's
+    sequence (``hybridlm.parallel.context``); ``grad_reduction`` is DP x CP, over which MoE sums
+    what the whole data-parallel batch routed (``ParallelState`` says why)."""
+    tp: GroupHandle = SINGLE
+    cp: GroupHandle = SINGLE
+    ep: GroupHandle = SINGLE
+    expert_dp: GroupHandle = SINGLE
+    grad_reduction: GroupHandle = SINGLE
+
+    @classmethod
+    def of(cls, ps) -> "ModelGroups":
+        """The groups of a ``ParallelState``."""
+        return cls(tp=ps.tp, cp=ps.cp, ep=ps.ep, expert_dp=ps.expert_dp, grad_reduction=ps.grad_reduction)
+
+
+@dataclass(frozen=True)
+class LocalOps:
+    """Which implementation computes each rank-local piece (Megatron-core's spec: local or Transformer
+    Engine layers, without forking the model code). ``kernels``: RMSNorm / RoPE / SwiGLU
+    (``hybridlm.ops.select_kernels``; default: the PyTorch definitions); ``matmul``: a factory
+    (weight, bias) -> callable replacing the linears' GEMM (TE's Linear); ``norm_matmul``: a factory
+    (norm, weight, bias) fusing a norm into the column linear after it (TE's LayerNormLinear);
+    ``norm_mlp``: a factory (norm, fc1 weight, fc2 weight, activation) for a whole norm + MLP block
+    on this rank's shards (TE's LayerNormMLP)."""
+    kernels: Kernels = field(default_factory=reference_kernels)
+    matmul: Optional[Callable] = None
+    norm_matmul: Optional[Callable] = None
+    norm_mlp: Optional[Callable] = None
 
 
 class _BetweenTPCrossings:
@@ -37,38 +82,21 @@ class _BetweenTPCrossings:
         return reduce_from_tensor_parallel(self.block(copy_to_tensor_parallel(x, self.tp)), self.tp)
 
 
-class ParallelPlan:
-    def __init__(self, tp: GroupHandle = SINGLE, *, ep: GroupHandle = SINGLE, expert_dp: GroupHandle = SINGLE,
-                 cp: GroupHandle = SINGLE, cp_comm_type: str = "p2p", grad_reduction: GroupHandle = SINGLE,
-                 sequence_parallel: bool = False, checkpoint: Callable | None = None, device=None, dtype=None,
-                 local_matmul: Callable | None = None, local_norm_matmul: Callable | None = None,
-                 local_norm_mlp: Callable | None = None,
-                 layer_context: Callable = contextlib.nullcontext, kernels: Kernels | None = None):
-        """``local_matmul``: a factory (weight, bias) -> callable replacing the linears' rank-local
-        GEMM (Transformer Engine's); ``local_norm_matmul``: a factory (norm, weight, bias) fusing a
-        norm into the column linear after it (TE's LayerNormLinear); ``local_norm_mlp``: a factory
-        (norm, fc1 weight, fc2 weight, activation) for a whole norm + MLP block on this rank's
-        shards (TE's LayerNormMLP); ``layer_context``: what each transformer layer's forward
-        runs under (FP8 autocast); ``kernels``: the RMSNorm / RoPE / SwiGLU implementations
-        (``hybridlm.ops.select_kernels``; default: the PyTorch definitions). ``cp``: the context-parallel
-        group, which splits every sample's sequence (``hybridlm.parallel.context``), and ``cp_comm_type``
-        how attention crosses it; ``grad_reduction``: DP x CP (``ParallelState``), over which MoE sums
-        what the whole data-parallel batch routed."""
-        self.tp, self.ep, self.expert_dp = tp, ep, expert_dp
-        self.cp, self.cp_comm_type, self.grad_reduction = cp, cp_comm_type, grad_reduction
-        self.sequence_parallel = sequence_parallel and tp.size > 1
-        self.device, self.dtype = device, dtype
-        self._checkpoint = checkpoint
-        self.local_matmul, self.local_norm_matmul, self.layer_context = local_matmul, local_norm_matmul, layer_context
-        self.local_norm_mlp = local_norm_mlp
-        self.kernels = kernels or reference_kernels()
-        self.compiled_loss = None
+class LayerFactory:
+    """The layers of a block for ``groups``: ``sequence_parallel`` keeps activations between the
+    linears split along the sequence over TP; ``cp_comm_type`` is how attention crosses the CP
+    group; ``ops`` the rank-local implementations; ``device``, ``dtype`` where parameters are made.
+    ``rng`` says which random stream a dropout on the activations it hands out draws from."""
 
-    @property
-    def gemms_outside_graphs(self) -> bool:
-        """Whether the linears' GEMMs belong to another library (TE), which compiled graphs
-        cannot contain: then a layer compiles only the pieces between them."""
-        return self.local_matmul is not None or self.local_norm_matmul is not None or self.local_norm_mlp is not None
+    def __init__(self, groups: ModelGroups = ModelGroups(), *, sequence_parallel: bool = False, cp_comm_type: str = "p2p",
+                 ops: Optional[LocalOps] = None, device=None, dtype=None):
+        self.groups, self.tp = groups, groups.tp
+        self.sequence_parallel = sequence_parallel and groups.tp.size > 1
+        self.cp_comm_type = cp_comm_type
+        self.ops = ops or LocalOps()
+        self.kernels = self.ops.kernels
+        self.device, self.dtype = device, dtype
+        self.rng = RandomStreams(groups.tp, self.sequence_parallel)
 
     # ---- layers
     def column_linear(self, input_size: int, output_sizes: Sequence[int], *, bias: bool, init_std: float,
@@ -76,17 +104,17 @@ class ParallelPlan:
         """``input_norm``: the norm applied to this linear's input, which the linear may fuse
         (then ``.owns_norm`` is True and the caller skips the norm)."""
         return ColumnParallelLinear(input_size, output_sizes, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
-                                    init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul,
-                                    input_norm=input_norm, local_norm_matmul=self.local_norm_matmul)
+                                    init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.ops.matmul,
+                                    input_norm=input_norm, local_norm_matmul=self.ops.norm_matmul)
 
     def row_linear(self, input_size: int, output_size: int, *, bias: bool, init_std: float) -> RowParallelLinear:
         return RowParallelLinear(input_size, output_size, self.tp, bias=bias, sequence_parallel=self.sequence_parallel,
-                                 init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.local_matmul)
+                                 init_std=init_std, device=self.device, dtype=self.dtype, local_matmul=self.ops.matmul)
 
     def fuses_norm_mlp(self, *, bias: bool) -> bool:
         """Whether ``norm_mlp`` will fuse a norm + MLP block: with a fused-block factory, no
         biases (fc2's would have to follow the TP sum) and no SP (an all-gather follows the norm)."""
-        return self.local_norm_mlp is not None and not bias and not self.sequence_parallel
+        return self.ops.norm_mlp is not None and not bias and not self.sequence_parallel
 
     def norm_mlp(self, norm: nn.Module, fc1: ColumnParallelLinear, fc2: RowParallelLinear, activation: str) -> Callable:
         """x -> fc2(act(fc1(norm(x)))) in one rank-local fused call on fc1's and fc2's shards
@@ -95,42 +123,24 @@ class ParallelPlan:
         tp = self.tp
         for param in norm.parameters():  # each rank back-propagates its ffn columns into the norm
             sum_grad_over_tp(param, tp)
-        return _BetweenTPCrossings(self.local_norm_mlp(norm, fc1.weight, fc2.weight, activation), tp)
+        return _BetweenTPCrossings(self.ops.norm_mlp(norm, fc1.weight, fc2.weight, activation), tp)
 
     def embedding(self, num_embeddings: int, dim: int, *, init_std: float) -> VocabParallelEmbedding:
         return VocabParallelEmbedding(num_embeddings, dim, self.tp, init_std=init_std, device=self.device, dtype=self.dtype)
 
     def moe(self, cfg, layer_number: int) -> MoELayer:
         """Routed experts (router, dispatch over EP, experts split over EP and TP) for one layer."""
-        return MoELayer(cfg, layer_number=layer_number, tp=self.tp, ep=self.ep, expert_dp=self.expert_dp, cp=self.cp,
-                        grad_reduction=self.grad_reduction,
-                        sequence_parallel=self.sequence_parallel, device=self.device, dtype=self.dtype)
+        g = self.groups
+        return MoELayer(cfg, layer_number=layer_number, tp=g.tp, ep=g.ep, expert_dp=g.expert_dp, cp=g.cp,
+                        grad_reduction=g.grad_reduction, sequence_parallel=self.sequence_parallel, device=self.device,
+                        dtype=self.dtype)
 
     def attention(self, core: Callable, block_kernel) -> Callable:
         """The attention core over the whole sequence: ``core`` itself, or under CP the ring /
         all-to-all / all-gather around it (``block_kernel``: its log-sum-exp variant)."""
-        if self.cp.size == 1:
+        if self.groups.cp.size == 1:
             return core
-        return ContextParallelAttention(self.cp, self.cp_comm_type, core, block_kernel)
-
-    def sequence_positions(self, length: int, device) -> torch.Tensor | None:
-        """Global positions of the ``length`` rows this rank holds (for RoPE); None: 0..length-1."""
-        if self.cp.size == 1:
-            return None
-        return load_balanced_positions(length * self.cp.size, self.cp.rank, self.cp.size, device=device)
-
-    def token_mean(self, per_token: torch.Tensor) -> torch.Tensor:
-        """Mean of a per-token quantity over the whole micro-batch (every CP rank's tokens)."""
-        if self.cp.size == 1:
-            return per_token.mean()
-        return self.sequence_sum(per_token.sum()) / (per_token.numel() * self.cp.size)
-
-    def sequence_sum(self, partial: torch.Tensor) -> torch.Tensor:
-        """A sum over whole sequences from this rank's part of it: under CP summed over the CP ranks,
-        by an all-reduce whose backward is again one (``hybridlm.parallel.context``: each rank's
-        gradient is then CP times its share, which DeepSpeed's average over DP x CP expects of a
-        value every CP rank holds)."""
-        return sum_over_context_parallel(partial, self.cp)
+        return ContextParallelAttention(self.groups.cp, self.cp_comm_type, core, block_kernel)
 
     def replicated(self, param: nn.Parameter, *, init_std: float | None = None, init_value: float | None = None,
                    in_sequence_region: bool = False) -> nn.Parameter:
@@ -155,43 +165,3 @@ class ParallelPlan:
     def lm_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Output projection with a vocab-split weight (the tied embedding's or the head's)."""
         return column_parallel_matmul(x, weight, None, self.tp, self.sequence_parallel)
-
-    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-        """Per-token loss of vocab-split logits; columns from ``vocab_size`` on (padding) take no part."""
-        if self.tp.size == 1 and self.compiled_loss is not None:
-            return self.compiled_loss(logits if vocab_size is None else logits[..., :vocab_size], target)
-        return vocab_parallel_cross_entropy(logits, target, self.tp, vocab_size)
-
-    def compile_loss(self) -> None:
-        """With TP=1, compute the loss with a compiled cross-entropy: the fp32 upcast, softmax
-        and its gradient fuse into a pass or two over the logits instead of materialising
-        fp32 copies of a [tokens, vocab] tensor."""
-        self.compiled_loss = torch.compile(_local_cross_entropy)
-
-    def split_rng(self):
-        """Random context for activations split over TP (heads, sequence slices)."""
-        return tensor_parallel_rng() if self.tp.size > 1 else contextlib.nullcontext()
-
-    def region_rng(self):
-        """Random context for activations in the sequence region (split only under SP)."""
-        return self.split_rng() if self.sequence_parallel else contextlib.nullcontext()
-
-    def checkpoint(self, function: Callable, *args):
-        """Recompute ``function`` in backward (DeepSpeed's checkpoint: RNG- and TP-aware). A floating input
-        that needs no gradient (a frozen embedding's output under LoRA) is made to need one: the reentrant
-        checkpoint back-propagates into the recomputed region only through inputs that do, so the
-        adapters inside would get no gradient."""
-        if self._checkpoint is None:
-            from deepspeed import checkpointing
-            self._checkpoint = checkpointing.checkpoint
-        if torch.is_grad_enabled():
-            args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
-                         else a for a in args)
-        return self._checkpoint(function, *args)
-
-
-def _local_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy in fp32 of full-vocabulary logits [..., vocab] (TP=1)."""
-    flat = logits.reshape(-1, logits.shape[-1]).float()
-    return torch.nn.functional.cross_entropy(flat, target.reshape(-1), reduction="none",
-                                             ignore_index=IGNORE_INDEX).view(target.shape)

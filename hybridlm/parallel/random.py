@@ -1,4 +1,5 @@
-"""TP-aware random streams for dropout, shared with DeepSpeed's activation checkpointing.
+"""TP-aware random streams for dropout, shared with DeepSpeed's activation checkpointing, and
+activation recompute itself.
 
 Two streams, as in Megatron:
   * the default generator, seeded identically on every TP rank: dropout on activations
@@ -42,3 +43,30 @@ def tensor_parallel_rng():
     if _TP_STREAM not in tracker.get_states():
         return contextlib.nullcontext()
     return tracker.fork(_TP_STREAM)
+
+
+class RandomStreams:
+    """Which stream a dropout draws from, by where its activations live (the two streams above)."""
+
+    def __init__(self, tp, sequence_parallel: bool):
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def split(self):
+        """Context for activations split over TP (heads, sequence slices)."""
+        return tensor_parallel_rng() if self.tp.size > 1 else contextlib.nullcontext()
+
+    def region(self):
+        """Context for activations in the sequence region (split only under SP)."""
+        return self.split() if self.sequence_parallel else contextlib.nullcontext()
+
+
+def recompute_in_backward(function, *args):
+    """``function(*args)`` keeping only its inputs, run again in backward (DeepSpeed's checkpoint:
+    it restores the RNG streams above, so dropout masks repeat, and partitions the kept inputs over
+    TP when configured to). A floating input that needs no gradient (a frozen embedding's output
+    under LoRA) is made to need one: the reentrant checkpoint back-propagates into the recomputed
+    region only through inputs that do, so the adapters inside would get no gradient."""
+    if torch.is_grad_enabled():
+        args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
+                     else a for a in args)
+    return ds_checkpointing.checkpoint(function, *args)

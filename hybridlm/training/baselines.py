@@ -22,7 +22,7 @@ import torch
 from ..config import ModelConfig
 from ..model.specs import build_model
 from ..model.weights import init_parameters
-from ..parallel.plan import ParallelPlan
+from ..parallel.plan import LayerFactory
 from ..parallel.state import SINGLE
 
 BASELINES = ("torch", "torch-compile", "hf-zero2")
@@ -65,7 +65,7 @@ def _time_steps(step, shape: Shape) -> dict:
 
 
 def plain_pytorch(shape: Shape, *, compile: bool) -> dict:
-    model = build_model(shape.model, ParallelPlan(device="cuda", dtype=torch.float32))
+    model = build_model(shape.model, LayerFactory(device="cuda", dtype=torch.float32))
     init_parameters(model, 1234, SINGLE)
     forward = torch.compile(model) if compile else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=shape.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)

@@ -1,15 +1,12 @@
 """Fine-tuning losses on the model's vocab-split logits: masked next-token loss (SFT) and DPO.
 
-Both are written so that DeepSpeed's bookkeeping gives the global-batch objective at any layout.
-DeepSpeed divides each micro-batch's loss by the gradient-accumulation steps (GAS) and averages
-gradients over the ranks that reduce them (DP, and DP x CP with context parallelism), so a
-micro-batch returns its *sum* times ``scale = GAS x reduction ranks / global count``; the sum
-of every micro-batch's contribution is then exactly "sum over the global batch / global count",
-whatever GAS, DP and micro-batch size are. The count (loss tokens, or pairs) comes with the
-labels, computed by the task before the step. Under context parallelism a CP rank holds a slice
-of every row: token sums are its slice's (the count, summed over DP x CP, covers every slice),
-while a DPO pair's loss needs the whole rows' log-probabilities, summed over CP first
-(``ParallelPlan.sequence_sum``), and is then held by every CP rank, so it counts 1/CP on each.
+Both follow the loss contract of ``hybridlm.parallel.loss``: a micro-batch computes its loss sums
+and the task counts what they are normalised by (loss tokens; pairs and chosen reply tokens) before
+the step, reduced once over the step's micro-batches and DP x CP; the labels then carry the step's
+scales (GAS x reduction ranks / global count), which give the global-batch objective at any
+layout. Under context parallelism a CP rank holds a slice of every row: token sums and counts are
+its slice's, while a DPO pair's loss needs the whole rows' log-probabilities, summed over CP first
+(``LossReducer.sequence_sum``), and is then held, and counted, by every CP rank.
 
 SFT:   loss = sum of -log p(label) over every label that is not IGNORE_INDEX in the global batch
              / the number of such labels in the global batch.
@@ -35,21 +32,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..parallel.plan import ParallelPlan
+from ..parallel.loss import LossReducer, scaled_loss
 from ..parallel.tensor_parallel import IGNORE_INDEX
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
 
 
 class MaskedLMLoss:
-    """labels = (labels [b, s] with IGNORE_INDEX, scale [1]) -> sum of the token losses x scale."""
+    """labels = (labels [b, s] with IGNORE_INDEX, the step's scale [1]) -> the sum of the token losses,
+    one term counted by the tokens with a label, times the scale."""
 
-    def __init__(self, plan: ParallelPlan, vocab_size: int | None = None):
-        self.plan, self.vocab_size = plan, vocab_size
+    def __init__(self, reducer: LossReducer, vocab_size: int | None = None):
+        self.reducer, self.vocab_size = reducer, vocab_size
+
+    @staticmethod
+    def counts(labels: torch.Tensor) -> torch.Tensor:
+        """[1]: the positions with a label."""
+        return (labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
 
     def __call__(self, logits, labels):
-        labels, scale = labels
-        return self.plan.cross_entropy(logits, labels.t(), self.vocab_size).sum() * scale.squeeze()
+        labels, scales = labels
+        return scaled_loss(self.reducer.cross_entropy(logits, labels.t(), self.vocab_size).sum().reshape(1), scales)
 
     def select_positions(self, hidden, labels):
         """The final hidden states [s, b, h] and labels cut to the positions with a label, as one
@@ -57,7 +60,7 @@ class MaskedLMLoss:
         skip the prompts and padding (half of a typical chat row). Under sequence parallelism the
         hidden states are a sequence slice that the head gathers, so they stay whole there. The
         positions' count is data (a host sync per micro-batch, after the layers are queued)."""
-        if self.plan.sequence_parallel:
+        if self.reducer.sequence_parallel:
             return hidden, labels
         labels, scale = labels
         flat = labels.t().reshape(-1)
@@ -80,25 +83,34 @@ def dpo_pair_losses(h: torch.Tensor, beta: float, kind: str, smoothing: float = 
 
 
 class DPOLoss:
-    """labels = (labels [2m, s], reference log-probs [2m], pair scale [1], chosen-token scale [1]).
+    """labels = (labels [2m, s], reference log-probs [2m], the step's scales [2]): two terms, the pair
+    losses counted by pairs and (with ``rpo_alpha``) the chosen replies' token losses counted by
+    their tokens.
 
     ``recording``: the reference pass, which returns 0 and keeps each pair's (pair id, chosen and
     rejected log-probability sums) in ``records`` (labels = (labels, pair ids) then). Metric sums of
     the micro-batches since ``take_sums`` are kept in ``sums`` (on the last pipeline stage)."""
 
-    def __init__(self, plan: ParallelPlan, vocab_size: int | None, *, beta: float, kind: str, smoothing: float = 0.0,
+    def __init__(self, reducer: LossReducer, vocab_size: int | None, *, beta: float, kind: str, smoothing: float = 0.0,
                  rpo_alpha: float | None = None):
-        self.plan, self.vocab_size = plan, vocab_size
+        self.reducer, self.vocab_size = reducer, vocab_size
         self.beta, self.kind, self.smoothing, self.rpo_alpha = beta, kind, smoothing, rpo_alpha
         self.recording = False
         self.records: list = []
         self.sums = None
 
+    @staticmethod
+    def counts(labels: torch.Tensor, pair_ids: torch.Tensor) -> torch.Tensor:
+        """[2]: the micro-batch's pairs (every CP rank holds their losses whole, and counts them) and
+        its chosen replies' tokens with a label (this rank's slice of them under CP)."""
+        chosen_tokens = (labels[: len(pair_ids)] != IGNORE_INDEX).sum().to(torch.float64)
+        return torch.stack([torch.full_like(chosen_tokens, float(len(pair_ids))), chosen_tokens])
+
     def row_logps(self, logits, labels) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of log-probs of each row's labels [2m], token losses [s, 2m]); under context
         parallelism the sums are the whole rows', the token losses this rank's."""
-        token_loss = self.plan.cross_entropy(logits, labels.t(), self.vocab_size)
-        return self.plan.sequence_sum(-token_loss.sum(0)), token_loss
+        token_loss = self.reducer.cross_entropy(logits, labels.t(), self.vocab_size)
+        return self.reducer.sequence_sum(-token_loss.sum(0)), token_loss
 
     def __call__(self, logits, labels):
         if self.recording:
@@ -108,19 +120,16 @@ class DPOLoss:
             m = len(pair_ids)
             self.records.append((pair_ids.cpu(), sums[:m].double().cpu(), sums[m:].double().cpu()))
             return logits.new_zeros((), dtype=torch.float32)
-        labels, reference, pair_scale, token_scale = labels
+        labels, reference, scales = labels
         logps, token_loss = self.row_logps(logits, labels)
         if self.kind == "ipo":  # IPO compares per-token means (the whole rows' counts: a CP collective only IPO needs)
-            counts = self.plan.sequence_sum((labels != IGNORE_INDEX).sum(-1))
+            counts = self.reducer.sequence_sum((labels != IGNORE_INDEX).sum(-1))
             logps, reference = logps / counts, reference / counts
         m = len(logps) // 2
         chosen, rejected = logps[:m] - reference[:m], logps[m:] - reference[m:]
         losses = dpo_pair_losses(chosen - rejected, self.beta, self.kind, self.smoothing)
-        # Under CP every rank of a micro-batch holds these same pair losses (from the whole rows'
-        # log-probs), while the scale counts each rank of DP x CP: each pair counts once.
-        loss = losses.sum() * pair_scale.squeeze() / self.plan.cp.size
-        if self.rpo_alpha:
-            loss = loss + self.rpo_alpha * token_loss[:, :m].sum() * token_scale.squeeze()
+        rpo = self.rpo_alpha * token_loss[:, :m].sum() if self.rpo_alpha else losses.new_zeros(())
+        loss = scaled_loss(torch.stack([losses.sum(), rpo.to(losses.dtype)]), scales)
         with torch.no_grad():
             chosen_reward, rejected_reward = self.beta * chosen, self.beta * rejected
             sums = torch.stack([chosen_reward.sum(), rejected_reward.sum(), (chosen_reward > rejected_reward).float().sum(),

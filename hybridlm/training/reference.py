@@ -37,6 +37,7 @@ from ..interop.layout import resolve_tag_dir
 from ..parallel.lora import adapters_disabled
 from .checkpoint import tag_for
 from .distributed import device
+from .step import run_step
 
 REFERENCE_FILE = "dpo_reference.json"  # in each DPO checkpoint: which checkpoint its reference log-probs came from
 
@@ -119,15 +120,9 @@ def _forward_all(run, task) -> np.ndarray:
                             dp_rank=run.ps.dp.rank, dp_size=run.ps.dp.size, device=device(),
                             cp_rank=run.ps.cp.rank, cp_size=run.ps.cp.size)
     loss.recording, loss.records = True, []
-    engine.eval()
     try:
         for _ in range(math.ceil(pairs.num_pairs / t.global_batch_size)):
-            step = itertools.islice(batches, cfg.gradient_accumulation_steps)
-            if run.is_pipeline:
-                engine.eval_batch(step)
-            else:
-                for inputs, labels in step:
-                    engine(inputs, labels)
+            run_step(run, itertools.islice(batches, cfg.gradient_accumulation_steps), train=False)
     finally:
         loss.recording = False
         engine.train()

@@ -7,10 +7,12 @@ ends in, the step's micro-batches ("batch -> loss") and the values it adds to th
     dpo       a preference loss on ``preprocess_chat`` pairs against reference log-probabilities
               computed once before training (``hybridlm.training.reference``)
 
-A fine-tuning step first reads all of its micro-batches, counts what the loss is normalised by
-(loss tokens, chosen reply tokens) and sums that count over the ranks that reduce gradients, so
-that every micro-batch can carry its share (``losses``): the objective is the global batch's,
-whatever GAS, DP and micro-batch size.
+Every task follows the loss contract of ``hybridlm.parallel.loss``: its loss returns sums, and
+its ``step_batches`` counts what they are normalised by (every token; loss tokens; pairs and chosen
+reply tokens) over the step's micro-batches, reduces the counts over DP x CP once, and hands every
+micro-batch the step's scales with its labels: the objective is the global batch's, whatever GAS,
+DP, CP and micro-batch size. A fine-tuning step therefore reads all of its micro-batches first;
+pretraining's count is the same every step (every token), so it is reduced once per run.
 """
 from __future__ import annotations
 
@@ -29,17 +31,20 @@ from ..data.gpt_dataset import build_gpt_datasets, parse_data_path
 from ..data.indexed import IndexedDataset
 from ..data.mock import MockDocuments
 from ..data.tokenizers import build_tokenizer, flags_text
+from ..model.gpt import LMLoss
+from ..parallel.loss import global_counts, loss_scales
 from ..parallel.tensor_parallel import IGNORE_INDEX
 from .losses import DPO_METRICS, DPOLoss, MaskedLMLoss
 
 
 class PretrainTask:
-    """Next-token prediction on every token (the model's own LMLoss)."""
+    """Next-token prediction on every token (LMLoss)."""
     name = "pretrain"
     rows_per_sample = 1
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self.scales = None  # the step's loss scales: every micro-batch holds as many tokens, so one value for the run
 
     def check(self) -> None:
         """Before any process group: the data suits the task (files read, nothing launched): every
@@ -60,8 +65,9 @@ class PretrainTask:
             raise ConfigError(f"--data-path {prefix} holds token ids up to {largest}, but the model's vocabulary has "
                               f"{vocab} ({given}); {fix}.")
 
-    def loss(self, plan):
-        return None  # the model's LMLoss
+    def loss(self, reducer):
+        """What the model ends in (``hybridlm.parallel.loss``'s contract)."""
+        return LMLoss(reducer, self.cfg.model.vocab_size)
 
     def datasets(self) -> tuple:
         """Train and validation samples (collective: one rank builds the index caches, the others wait)."""
@@ -87,8 +93,20 @@ class PretrainTask:
         """After --load (DPO with LoRA computes its reference here: the loaded base, adapters off)."""
 
     def step_batches(self, run, batches: Iterator) -> Iterator:
-        """The micro-batches of one optimizer step, as the engine takes them."""
-        return itertools.islice(batches, self.cfg.gradient_accumulation_steps)
+        """The micro-batches of one optimizer step as the engine takes them: labels with the step's loss scales."""
+        gas = self.cfg.gradient_accumulation_steps
+        step = itertools.islice(batches, gas)
+        if self.scales is None:  # the first step: every micro-batch of every step counts as many tokens as this one
+            first = next(step)
+            _, self.scales = self.step_counts(run, [LMLoss.counts(first[1]) * gas])
+            step = itertools.chain([first], step)
+        return ((inputs, (labels, self.scales)) for inputs, labels in step)
+
+    def step_counts(self, run, local_counts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the step's global counts, the loss scales they give) from this rank's counts (device
+        tensors, summed over the step's micro-batches): one all-reduce over DP x CP, one division."""
+        counts = global_counts(torch.cat(local_counts), run.ps.grad_reduction)
+        return counts, loss_scales(counts, run.ps.grad_reduction.size, self.cfg.gradient_accumulation_steps)
 
     def log_values(self, run, seconds: float) -> dict:
         """Extra values for the log record since the last call (collective)."""
@@ -103,7 +121,7 @@ class PretrainTask:
 
 
 class ChatTask(PretrainTask):
-    """What SFT and DPO share: the chat data, its tokenizer check, the global counts."""
+    """What SFT and DPO share: the chat data, its tokenizer check, the loss tokens it logs."""
 
     def __init__(self, cfg: RunConfig):
         super().__init__(cfg)
@@ -126,24 +144,6 @@ class ChatTask(PretrainTask):
         d = self.cfg.data
         return build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file).pad
 
-    @staticmethod
-    def global_sum(run, counts: list) -> torch.Tensor:
-        """``counts`` (device tensors of this rank's micro-batches) summed over the ranks that reduce
-        gradients (DP; DP x CP with context parallelism): one all-reduce per step, left on the device
-        (float64, exact for counts) so that the step does not wait for the host to read it."""
-        total = torch.stack([c.to(torch.float64) for c in counts])
-        group = run.ps.grad_reduction
-        if group.size > 1:
-            dist.all_reduce(total, group=group.group)
-        return total
-
-    def scale(self, run, count) -> torch.Tensor:
-        """What each micro-batch's sum is multiplied by so that DeepSpeed's 1/GAS and its average over
-        the reducing ranks leave sum / ``count`` (losses.py); ``count`` a number or a float64 device tensor."""
-        count = torch.as_tensor(count, dtype=torch.float64, device=run.engine.device)
-        factor = count.new_full((), float(self.cfg.gradient_accumulation_steps * run.ps.grad_reduction.size)) / count.clamp_min(1.0)
-        return factor.to(torch.float32).reshape(1)
-
     def log_values(self, run, seconds: float) -> dict:
         # the counts stay on the device through the steps; read here, after the log's own synchronisation
         values = {"loss_tokens": int(self.last_step_tokens), "loss_tokens_per_sec": int(self.loss_tokens) / max(seconds, 1e-9)}
@@ -159,8 +159,8 @@ class SFTTask(ChatTask):
         if data.kind != "sft":
             raise ConfigError(f"--data-path {data.prefix} holds preference pairs; train them with --task dpo.")
 
-    def loss(self, plan):
-        return MaskedLMLoss(plan, self.cfg.model.vocab_size)
+    def loss(self, reducer):
+        return MaskedLMLoss(reducer, self.cfg.model.vocab_size)
 
     def datasets(self) -> tuple:
         rows = SFTRows(self.chat_data(), self.cfg.model.seq_length, self.cfg.train.seed, self.pad_id(), self.cfg.posttrain.packing)
@@ -169,11 +169,10 @@ class SFTTask(ChatTask):
 
     def step_batches(self, run, batches: Iterator) -> Iterator:
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
-        [count] = self.global_sum(run, [sum((labels != IGNORE_INDEX).sum() for _, labels in micro)])
-        self.last_step_tokens = count
-        self.loss_tokens = self.loss_tokens + count
-        scale = self.scale(run, count)
-        return iter([(inputs, (labels, scale)) for inputs, labels in micro])
+        counts, scales = self.step_counts(run, [sum(MaskedLMLoss.counts(labels) for _, labels in micro)])
+        self.last_step_tokens = counts[0]
+        self.loss_tokens = self.loss_tokens + counts[0]
+        return iter([(inputs, (labels, scales)) for inputs, labels in micro])
 
     def describe(self) -> str:
         packing = "packed rows" if self.cfg.posttrain.packing else "one conversation per row"
@@ -191,7 +190,6 @@ class DPOTask(ChatTask):
         self.reference_tag = None  # the checkpoint folder they came from
         self.reference_seconds = None  # how long computing them took (None: read from the cache or not needed)
         self.dpo_loss = None
-        self.pair_scale = None  # the pair loss's scale (losses.py), a constant of the run
         self.reference_on_device = None  # ``reference`` on the device, made at the first step
 
     def check(self) -> None:
@@ -200,9 +198,9 @@ class DPOTask(ChatTask):
             raise ConfigError(f"--data-path {data.prefix} holds supervised conversations; train them with --task sft.")
         DPOPairs(data, self.cfg.model.seq_length, self.cfg.train.seed, 0)  # refuses prompts that leave no room
 
-    def loss(self, plan):
+    def loss(self, reducer):
         f = self.cfg.posttrain
-        self.dpo_loss = DPOLoss(plan, self.cfg.model.vocab_size, beta=f.dpo_beta, kind=f.dpo_loss,
+        self.dpo_loss = DPOLoss(reducer, self.cfg.model.vocab_size, beta=f.dpo_beta, kind=f.dpo_loss,
                                 smoothing=f.dpo_label_smoothing, rpo_alpha=f.rpo_alpha)
         return self.dpo_loss
 
@@ -232,15 +230,12 @@ class DPOTask(ChatTask):
 
     def step_batches(self, run, batches: Iterator) -> Iterator:
         micro = [next(batches) for _ in range(self.cfg.gradient_accumulation_steps)]
-        chosen, tokens = self.global_sum(run, [sum((labels[: len(ids)] != IGNORE_INDEX).sum() for _, (labels, ids) in micro),
-                                               sum((labels != IGNORE_INDEX).sum() for _, (labels, _) in micro)])
-        self.last_step_tokens = tokens
-        self.loss_tokens = self.loss_tokens + tokens
-        if self.pair_scale is None:  # the same every step: made once
-            self.pair_scale = self.scale(run, self.cfg.train.global_batch_size)
-        pair_scale = self.pair_scale
-        token_scale = self.scale(run, chosen)
-        return iter([(rows, (labels, self._reference_rows(ids, labels.device), pair_scale, token_scale))
+        terms = sum(DPOLoss.counts(labels, ids) for _, (labels, ids) in micro)  # pairs, chosen reply tokens
+        tokens = sum((labels != IGNORE_INDEX).sum() for _, (labels, _) in micro)  # for the log
+        counts, scales = self.step_counts(run, [terms, tokens.to(torch.float64).reshape(1)])
+        self.last_step_tokens = counts[2]
+        self.loss_tokens = self.loss_tokens + counts[2]
+        return iter([(rows, (labels, self._reference_rows(ids, labels.device), scales[:2]))
                      for rows, (labels, ids) in micro])
 
     def _reference_rows(self, pair_ids: torch.Tensor, device) -> torch.Tensor:

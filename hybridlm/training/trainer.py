@@ -1,10 +1,6 @@
-"""From a validated config to a trained model: set-up in a fixed order, then the loop.
-
-Order of set-up (each step needs the previous one):
-  flags + DeepSpeed JSON -> validated RunConfig       (no process group yet: bad input fails here)
-  process group -> ParallelState -> seeds
-  model specs -> PipelineModule (PP>1) or SequentialModel -> layout-independent init
-  recompute flags -> optimizer + schedule -> deepspeed.initialize -> resume -> data
+"""From a validated config to a trained model: ``prepare_config`` (flags + DeepSpeed JSON -> a
+validated RunConfig, before any process group: bad input fails there), ``build_run`` (the set-up,
+each part made from the ones before it), then the loop.
 """
 from __future__ import annotations
 
@@ -28,15 +24,17 @@ from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
 from ..model.cuda_graphs import capture_layers
-from ..model.specs import apply_recompute, build_model, compile_layers, transformer_layers
+from ..model.execution import apply_recompute, apply_selective_recompute, compile_layers
+from ..model.specs import build_model, transformer_layers
 from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
                                         fp8_recipe, te_modules_in)
 from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
 from ..parallel.lora import describe_adapters
+from ..parallel.loss import LossReducer, aux_loss_scale
 from ..parallel.moe import end_moe_step, set_aux_loss_scale
-from ..parallel.plan import ParallelPlan
+from ..parallel.plan import LayerFactory, LocalOps, ModelGroups
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
 from . import checkpoint
@@ -50,6 +48,7 @@ from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
 from .replicas import ReplicaCheck, ReplicasDiverged
+from .step import release_cached_memory, run_step
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
 
@@ -145,8 +144,33 @@ class Run:
 
 
 def build_run(cfg: RunConfig, ds_config: dict) -> Run:
-    """Everything after validation: process groups, model, engine, resume."""
+    """Everything after validation, each part built from the ones before it: process groups, the
+    model (its layers, weights and execution policy), the engine around it, the resumed state,
+    and CUDA graphs of the layers where the engine placed them."""
     task = build_task(cfg)
+    ps = start_process_groups(cfg)
+    phase = MicroBatchPhase()  # where a forward sits in the step: TE's FP8 weight cache reads it
+    factory = layer_factory(cfg, ps, phase)
+    reducer = LossReducer(ps.tp, ps.cp, factory.sequence_parallel)
+    recipe = fp8_recipe(cfg.model)
+    model = build_model(cfg.model, factory, topology=ps.topology, loss=task.loss(reducer),
+                        layer_context=lambda: fp8_context(recipe))
+    init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
+    set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
+    apply_execution_policy(cfg, model, reducer)
+    # before deepspeed.initialize: its gradient hooks must come after the fusion's
+    main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
+    engine = start_engine(cfg, ds_config, model, ps)
+    run = Run(cfg, ps, engine, cfg.parallel.pipeline_model_parallel_size > 1, *task.datasets(), task, phase=phase,
+              main_grads=main_grads)
+    resume(run)
+    if cfg.model.cuda_graphs:
+        capture(run, recipe)
+    return run
+
+
+def start_process_groups(cfg: RunConfig) -> ParallelState:
+    """The process group, the layout's groups, the seeds, and DeepSpeed's activation checkpointing."""
     init_distributed(cfg.train.distributed_timeout_minutes)
     p = cfg.parallel
     ps = ParallelState(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size,
@@ -154,48 +178,58 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
     seed_everything(cfg.train.seed, ps.tp.rank, ps.pp.rank)
     if p.recompute_granularity:
         deepspeed.checkpointing.configure(ps, partition_activations=p.partition_activations)
+    return ps
 
-    te = cfg.model.transformer_impl == "transformer_engine"
-    recipe = fp8_recipe(cfg.model)
-    phase = MicroBatchPhase()
-    te_factories = dict(local_matmul=partial(TELocalMatmul, phase=phase), local_norm_matmul=partial(TELocalNormMatmul, phase=phase),
-                        local_norm_mlp=partial(TELocalNormMLP, phase=phase)) if te else {}
-    plan = ParallelPlan(ps.tp, ep=ps.ep, expert_dp=ps.expert_dp, cp=ps.cp, cp_comm_type=p.cp_comm_type,
-                        grad_reduction=ps.grad_reduction, sequence_parallel=p.sequence_parallel, device=device(),
-                        **te_factories, layer_context=lambda: fp8_context(recipe),
-                        kernels=select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device()))
-    model = build_model(cfg.model, plan, topology=ps.topology, selective_recompute=p.recompute_granularity == "selective",
-                        loss=task.loss(plan))
-    init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
-    set_aux_loss_scale(model, 1.0 / cfg.gradient_accumulation_steps)  # as DeepSpeed scales the LM loss
+
+def layer_factory(cfg: RunConfig, ps: ParallelState, phase: MicroBatchPhase) -> LayerFactory:
+    """The factory the blocks are built with: this layout's groups, and the rank-local implementations
+    (--transformer-impl's GEMMs, --fused-ops' kernels)."""
+    p = cfg.parallel
+    kernels = select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device())
+    ops = LocalOps(kernels=kernels)
+    if cfg.model.transformer_impl == "transformer_engine":
+        ops = LocalOps(kernels=kernels, matmul=partial(TELocalMatmul, phase=phase),
+                       norm_matmul=partial(TELocalNormMatmul, phase=phase), norm_mlp=partial(TELocalNormMLP, phase=phase))
+    return LayerFactory(ModelGroups.of(ps), sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type, ops=ops,
+                        device=device())
+
+
+def apply_execution_policy(cfg: RunConfig, model, reducer: LossReducer) -> None:
+    """Recompute, then compile (hybridlm.model.execution), on the initialised model."""
+    p = cfg.parallel
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers, p.recompute_method)
+    if p.recompute_granularity == "selective":
+        apply_selective_recompute(model)
     if cfg.model.torch_compile:
         compile_layers(model)
-        plan.compile_loss()
-    # before deepspeed.initialize: its gradient hooks must come after the fusion's
-    main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
+        reducer.compile()
 
+
+def start_engine(cfg: RunConfig, ds_config: dict, model, ps: ParallelState):
+    """The optimizer (ours unless the JSON names one) and deepspeed.initialize around the model."""
+    p, t = cfg.parallel, cfg.train
     offloading = offload_device(ds_config, "optimizer") is not None
     optimizer = None
     if "optimizer" not in ds_config:
-        optimizer, clips_itself = build_optimizer(model, cfg.train, ps, zero_stage=p.zero_stage,
-                                                  offloading=offloading, on_gpu=on_gpu())
+        optimizer, clips_itself = build_optimizer(model, t, ps, zero_stage=p.zero_stage, offloading=offloading, on_gpu=on_gpu())
         if clips_itself:
             ds_config["gradient_clipping"] = 0.0
         if offloading and not type(optimizer).__name__.startswith("DeepSpeed"):
             ds_config["zero_force_ds_cpu_optimizer"] = False
-    t = cfg.train
-    is_pipeline = p.pipeline_model_parallel_size > 1
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
-        lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if is_pipeline else ps)
-    train_data, valid_data = task.datasets()
-    run = Run(cfg, ps, engine, is_pipeline, train_data, valid_data, task, phase=phase, main_grads=main_grads)
-    task.prepare(run)  # DPO: the reference log-probabilities, before the policy is loaded
+        lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if p.pipeline_model_parallel_size > 1 else ps)
+    return engine
+
+
+def resume(run: Run) -> None:
+    """What the task computes before the weights are loaded, --load, and what it computes after."""
+    t = run.cfg.train
+    run.task.prepare(run)  # DPO: the reference log-probabilities, before the policy is loaded
     if t.load:
-        client_state = checkpoint.load(engine, t.load, t.ckpt_step, cfg=cfg, ps=ps)
+        client_state = checkpoint.load(run.engine, t.load, t.ckpt_step, cfg=run.cfg, ps=run.ps)
         if client_state is None:
             if dist.get_rank() == 0:  # Megatron's start from scratch, on which a requeued job's first run relies
                 print(f"warning: {checkpoint.no_checkpoint_reason(t.load)}: training starts from scratch at iteration 0, "
@@ -203,10 +237,7 @@ def build_run(cfg: RunConfig, ds_config: dict) -> Run:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
-    task.loaded(run)
-    if cfg.model.cuda_graphs:
-        capture(run, recipe)
-    return run
+    run.task.loaded(run)
 
 
 def capture(run: Run, recipe) -> None:
@@ -260,66 +291,21 @@ def evaluate(run: Run, data=None, iters: Optional[int] = None) -> float:
     batch as the task's loss sees it in training. On the validation split (the default), as in
     Megatron-LM, each evaluation draws the batches after the previous one's, so the validation samples
     are fresh each time (and the same after a resume); other data is read from its start."""
-    engine, t = run.engine, run.cfg.train
+    t = run.cfg.train
     first = evaluations_before(run.iteration, t.eval_interval) * t.eval_iters if data is None else 0
     batches = data_iterator(run, run.valid_data if data is None else data, start_iteration=first)
     losses = []
     for _ in range(t.eval_iters if iters is None else iters):
         release_cached_memory(run, 1)
-        step = run.task.step_batches(run, batches)
-        if run.is_pipeline:
-            losses.append(engine.eval_batch(step).float())  # averaged over micro-batches and DP by DeepSpeed
-            continue
-        engine.eval()
-        micro = [engine(*next(step)).float() for _ in range(run.cfg.gradient_accumulation_steps)]
-        engine.train()
-        losses.append(mean_over_data_ranks(run, torch.stack(micro).mean()))
+        losses.append(run_step(run, run.task.step_batches(run, batches), train=False).float())
     return torch.stack(losses).mean().item()
-
-
-def mean_over_data_ranks(run: Run, loss: torch.Tensor) -> torch.Tensor:
-    """A rank's loss averaged as DeepSpeed averages gradients, over DP x CP (``ps.grad_reduction``):
-    a CP rank's fine-tuning loss is its slice's share of the sum, its pretraining loss the whole
-    micro-batch's mean (the same on each CP rank)."""
-    group = run.ps.grad_reduction
-    if group.size > 1:
-        dist.all_reduce(loss, group=group.group)
-        loss /= group.size
-    return loss
-
-
-def release_cached_memory(run: Run, level: int) -> None:
-    """--empty-unused-memory-level: give the CUDA caching allocator's free blocks back at ``level``."""
-    if run.cfg.train.empty_unused_memory_level >= level and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def train_step(run: Run, batches: Iterator) -> torch.Tensor:
     """One optimizer step over the global batch; returns the loss averaged over it (every rank)."""
-    engine = run.engine
-    batches = run.task.step_batches(run, batches)  # this step's micro-batches, with what the task's loss needs
-    if run.is_pipeline:
-        loss = engine.train_batch(batches)
-    else:
-        total = torch.zeros((), device=engine.device)
-        if run.main_grads is not None:
-            run.main_grads.zero_()
-        for micro in range(run.cfg.gradient_accumulation_steps):
-            with record_function("hybridlm.next_batch"):  # names in a --profile-step-range trace
-                inputs, labels = next(batches)
-            run.phase.first = micro == 0
-            with record_function("hybridlm.forward"):
-                micro_loss = engine(inputs, labels)
-            with record_function("hybridlm.backward"):
-                engine.backward(micro_loss)
-            release_cached_memory(run, 2)
-            with record_function("hybridlm.step"):
-                engine.step()
-            total += micro_loss.detach().float()
-        run.phase.first = None
-        loss = mean_over_data_ranks(run, total / run.cfg.gradient_accumulation_steps)
+    loss = run_step(run, run.task.step_batches(run, batches), train=True)
     if run.cfg.model.num_experts is not None:
-        end_moe_step(engine.module, run.ps.grad_reduction, run.cfg.model.moe_router_bias_update_rate)
+        end_moe_step(run.engine.module, run.ps.grad_reduction, run.cfg.model.moe_router_bias_update_rate)
     run.iteration += 1
     return loss
 
