@@ -78,6 +78,8 @@ class TrainConfig:
     max_bad_steps: int = flag(5, "Stop after this many consecutive skipped (overflowing or non-finite) steps; 0 never stops.")
     log_interval: int = flag(100, "Log every N steps.")
     metrics_file: Optional[str] = flag(None, "JSON-lines file: one record per logged step.")
+    log_comm_interval: Optional[int] = flag(None, "Every N steps profile one training step (torch.profiler) and log its time in collective kernels, the share of the step no compute kernel overlaps (exposed), the split by process group (TP, CP, DP/ZeRO, PP, EP) and the share of the step the GPU runs kernels; with nvidia-ml-py installed also NVML's utilisation averaged over each log interval (default: off; README 'Monitoring').")
+    log_grad_noise_scale: bool = flag(False, "Log the gradient noise scale B_simple = tr(Sigma)/|G|^2 of McCandlish et al. 2018, in samples, from each micro-batch's gradient norm and the step's; both of the paper's estimators are smoothed by an exponential moving average (decay 0.99 per step, bias-corrected) before the ratio. Costs a squared norm per parameter per micro-batch and one scalar all-reduce per logged step.")
     peak_tflops: Optional[float] = flag(None, "Peak TFLOP/s per device for MFU (default: the GPU's datasheet bf16 dense peak).")
     nvme_path: Optional[str] = flag(None, "Folder for ZeRO-Infinity swap files (fills 'auto' nvme_path in the JSON).")
     distributed_timeout_minutes: float = flag(10.0, "Collective timeout: a dead rank brings the others down after this long.")

@@ -27,6 +27,7 @@ import time
 import torch
 
 from ..config import ModelConfig
+from .monitor import monitor_line
 
 # Dense bf16 tensor-core peaks from the datasheets, TFLOP/s.
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "A100": 312.0, "A800": 312.0,
@@ -108,8 +109,10 @@ class StepLog:
             self.file = open(metrics_file, "a")
 
     def record(self, *, iteration: int, loss: float, lr: float, grad_norm: float | None, step_seconds: float,
-               total_iters: int, skipped_steps: int = 0, moe: dict | None = None, extra: dict | None = None) -> dict:
-        """``extra``: the task's values (fine-tuning: loss tokens and their rate, DPO's rewards), logged as given."""
+               total_iters: int, skipped_steps: int = 0, moe: dict | None = None, monitor: dict | None = None,
+               extra: dict | None = None) -> dict:
+        """``monitor``: the training monitor's figures (``Monitor.report``); ``extra``: the task's values
+        (fine-tuning: loss tokens and their rate, DPO's rewards), logged as given."""
         tokens_per_sec = self.tokens_per_step / step_seconds
         tflops = self.flops_per_step / step_seconds / self.world_size / 1e12
         record = {
@@ -123,6 +126,7 @@ class StepLog:
         if moe is not None:  # see moe_metrics.collect_moe_stats
             record.update(moe_aux_loss=moe["aux_loss"], moe_z_loss=moe["z_loss"], moe_dropped_fraction=moe["dropped_fraction"],
                           moe_layers=moe["layers"])
+        record.update(monitor or {})
         record.update(extra or {})
         if self.enabled:
             mfu = f" | mfu {100 * record['mfu']:.1f}%" if record["mfu"] is not None else ""
@@ -135,6 +139,8 @@ class StepLog:
                   f"eta {eta / 60:.1f} min", flush=True)
             if moe is not None:
                 print(_moe_line(moe), flush=True)
+            if monitor:
+                print(monitor_line(monitor), flush=True)
             if extra:
                 print("    " + " | ".join(f"{k} {_number(v)}" for k, v in extra.items()), flush=True)
             self._write(record)

@@ -24,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..config import ConfigError
+from .timeline import length as _length, overlap as _overlap, union as _union
 
 
 class StepProfiler:
@@ -110,34 +111,6 @@ _CATEGORIES = (  # first match wins; names of CUDA kernels as the profiler recor
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|wgmma|matmul", re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb", re.I)),
 )
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Total length of the intersection of two sorted, disjoint interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        total += max(0.0, hi - lo)
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 def summarize_trace(path: str) -> dict:

@@ -43,6 +43,7 @@ from .ds_config import (adopt_ds_config, check_gradient_accumulation_fusion, fin
                         read_ds_config)
 from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
+from .monitor import Monitor, check_config as check_monitor_config
 from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
@@ -78,6 +79,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
     checkpoint.check_load(cfg.train.load, cfg.train.ckpt_step, cfg)
     StepProfiler.parse(cfg.train.profile_step_range)
+    check_monitor_config(cfg)
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
     ds = finalize_ds_config(ds, cfg)
     offloaded = [w for w in ("optimizer", "param") if offload_device(ds, w)]
@@ -380,6 +382,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     replicas = check_replicas_at_start(run)
     profiler = StepProfiler(t.profile_step_range, t.profile_dir, dist.get_rank())
     profiler.step(run.iteration)  # a range starting at the first iteration starts here
+    monitor = Monitor(run, rank0=rank0)  # --log-comm-interval, --log-grad-noise-scale, the guide's thresholds
     batches = data_iterator(run)
     records = []
     collector = ManualGC(t.manual_gc, t.manual_gc_interval)
@@ -388,7 +391,8 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     stop = None
     while run.iteration < t.train_iters:
         lr = run.engine.get_lr()[0]
-        loss = train_step(run, batches)
+        with monitor.step(run):
+            loss = train_step(run, batches)
         release_cached_memory(run, 1)
         collector.after_step(run.iteration)
         profiler.step(run.iteration)
@@ -410,11 +414,13 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
                 grad_norm = run.engine.get_global_grad_norm()
                 moe = collect_moe_stats(run.engine.module, cfg, run.ps)  # collective; None for a dense model
                 extra = run.task.log_values(run, now - started)  # collective
+                monitored = monitor.report()  # collective
                 records.append(log.record(iteration=run.iteration, loss=loss_value, lr=lr, skipped_steps=run.engine.skipped_steps,
                                           grad_norm=float(grad_norm) if grad_norm is not None else None,
                                           step_seconds=(now - started) / (run.iteration - last_logged),
-                                          total_iters=t.train_iters, moe=moe, extra=extra))
+                                          total_iters=t.train_iters, moe=moe, monitor=monitored, extra=extra))
                 log_all(trackers, tracker_metrics(records[-1]), run.iteration)
+                monitor.check(records[-1])
                 last_logged, started = run.iteration, time.perf_counter()
         if t.eval_interval and (run.iteration % t.eval_interval == 0 or run.iteration == t.train_iters):
             collector.collect()
@@ -433,6 +439,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
     profiler.close()
+    monitor.close()
     collector.close()
     close_all(trackers)
     log.close()
