@@ -273,6 +273,50 @@ def _nvml_ready() -> bool:
     return True
 
 
+# ---------------------------------------------------------------- the guide's thresholds
+
+class GuideThresholds:
+    """The Megatron-LM guide's thresholds over windows of logged records: each crossing is said once per run."""
+
+    def __init__(self):
+        self.warned: set[str] = set()
+        self.logged = 0
+        self.windows = {"mfu": deque(maxlen=MFU_WINDOW), "exposed_comm_share": deque(maxlen=SAMPLE_WINDOW),
+                        "gpu_busy_share": deque(maxlen=SAMPLE_WINDOW)}
+
+    def crossed(self, record: dict) -> list[str]:
+        """The sentences of the thresholds this record's window crossed for the first time."""
+        self.logged += 1
+        sentences = []
+        for key, window in self.windows.items():
+            if record.get(key) is None or (key == "mfu" and self.logged == 1):  # the first interval holds warm-up and compilation
+                continue
+            window.append(record[key])
+            if len(window) < window.maxlen or key in self.warned:
+                continue
+            sentence = self._judge(key, window)
+            if sentence:
+                self.warned.add(key)
+                sentences.append(f"{sentence} ({SECTION}).")
+        return sentences
+
+    @staticmethod
+    def _judge(key: str, window: deque) -> Optional[str]:
+        if key == "mfu":
+            median = statistics.median(window)
+            return None if median >= MFU_TARGET else (
+                f"MFU has been {100 * median:.1f}% (median of the last {len(window)} logged steps), below the "
+                f"{100 * MFU_TARGET:.0f}% the Megatron-LM guide aims for; --log-comm-interval shows where the step's time goes")
+        mean = sum(window) / len(window)
+        if key == "exposed_comm_share" and mean > EXPOSED_COMM_LIMIT:
+            return (f"exposed communication has been {100 * mean:.1f}% of the step (mean of the last {len(window)} sampled "
+                    f"steps), above the {100 * EXPOSED_COMM_LIMIT:.0f}% the Megatron-LM guide allows")
+        if key == "gpu_busy_share" and mean < BUSY_TARGET:
+            return (f"the GPU ran kernels {100 * mean:.1f}% of the step (mean of the last {len(window)} sampled steps), "
+                    f"below the {100 * BUSY_TARGET:.0f}% the Megatron-LM guide aims for")
+        return None
+
+
 # ---------------------------------------------------------------- the monitor the loop holds
 
 class Monitor:
@@ -291,11 +335,7 @@ class Monitor:
         self.nvml: Optional[list[float]] = [] if self.sampler and _nvml_ready() else None
         sizes = {"tp": ps.tp.size, "cp": ps.cp.size, "dp": ps.grad_reduction.size, "pp": ps.pp.size, "ep": ps.ep.size}
         self.labels = [label for label in LABELS if sizes.get(label, 2) > 1]  # "other" always
-        self._warned: set[str] = set()
-        self._logged = 0
-        self._mfu: deque = deque(maxlen=MFU_WINDOW)
-        self._exposed: deque = deque(maxlen=SAMPLE_WINDOW)
-        self._busy: deque = deque(maxlen=SAMPLE_WINDOW)
+        self.thresholds = GuideThresholds()
         if rank0 and (self.sampler or self.noise):
             print(f"hybridlm: {self.describe()}", flush=True)
 
@@ -362,31 +402,9 @@ class Monitor:
 
     def check(self, record: dict) -> None:
         """Warn once per run where a logged figure crossed the guide's threshold over its window (rank 0)."""
-        if not self.rank0:
-            return
-        self._logged += 1
-        if record.get("mfu") is not None and self._logged > 1:
-            self._mfu.append(record["mfu"])
-            median = statistics.median(self._mfu)
-            if len(self._mfu) == MFU_WINDOW and median < MFU_TARGET:
-                self._warn("mfu", f"MFU has been {100 * median:.1f}% (median of the last {MFU_WINDOW} logged steps), below the "
-                                  f"{100 * MFU_TARGET:.0f}% the Megatron-LM guide aims for; where the time goes: --log-comm-interval")
-        for key, window, name, worse, limit in (("exposed_comm_share", self._exposed, "exposed communication", True,
-                                                 EXPOSED_COMM_LIMIT),
-                                                ("gpu_busy_share", self._busy, "the GPU busy share", False, BUSY_TARGET)):
-            if record.get(key) is None:
-                continue
-            window.append(record[key])
-            mean = sum(window) / len(window)
-            if len(window) == SAMPLE_WINDOW and (mean > limit if worse else mean < limit):
-                bound = "at most" if worse else "at least"
-                self._warn(key, f"{name} has been {100 * mean:.1f}% of the step (mean of the last {SAMPLE_WINDOW} sampled steps); "
-                                f"the Megatron-LM guide asks for {bound} {100 * limit:.0f}%")
-
-    def _warn(self, key: str, sentence: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            print(f"warning: {sentence} ({SECTION}).", file=sys.stderr, flush=True)
+        if self.rank0:
+            for sentence in self.thresholds.crossed(record):
+                print(f"warning: {sentence}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.noise is not None:
