@@ -58,3 +58,32 @@ def test_a_file_that_is_not_a_metrics_file_is_one_sentence_and_exit_2(tmp_path):
     bad.write_text("iter 1 | loss 3.2\n")
     code, _, err = _run(ref, bad)
     assert code == 2 and err.strip() == f"error: {bad}, line 1: not a JSON record (is this a --metrics-file?)."
+
+
+def test_several_runs_figures_are_shown_side_by_side_and_drawn(tmp_path):
+    paths = []
+    for run, (mfu, exposed) in enumerate([(0.45, 0.05), (0.38, 0.32), (0.30, 0.41)]):
+        path = tmp_path / f"run{run}.jsonl"
+        with open(path, "w") as f:
+            for i in range(1, 21):
+                record = {"iteration": i, "loss": 3.0 - 0.01 * i, "mfu": mfu, "grad_noise_scale": 100.0 * i}
+                if i % 5 == 0:  # a sampled step's figures come on the logged step after it
+                    record.update(exposed_comm_share=exposed, comm_sampled_iteration=i)
+                f.write(json.dumps(record) + "\n")
+        paths.append(str(path))
+    code, out, err = _run("--series", "mfu,exposed_comm_share,grad_noise_scale", *paths, "--skip", "4",
+                          "--plot", tmp_path / "runs.png")
+    assert code == 0, err
+    lines = out.splitlines()
+    exposed = lines[lines.index(next(line for line in lines if line.startswith("exposed_comm_share"))) + 1:][:3]
+    assert [line.split()[1:] for line in exposed] == [["4", "5.0%", "5.0%", "5.0%"], ["4", "32.0%", "32.0%", "32.0%"],
+                                                      ["4", "41.0%", "41.0%", "41.0%"]]
+    noise = lines[lines.index(next(line for line in lines if line.startswith("grad_noise_scale"))) + 1].split()
+    assert noise[1:] == ["16", "500", "1,250", "2,000"]  # iterations 5..20 after --skip 4
+    assert (tmp_path / "runs.png").stat().st_size > 0 and out.splitlines()[-1] == f"wrote {tmp_path / 'runs.png'}"
+
+
+def test_the_loss_check_takes_exactly_two_runs(tmp_path):
+    runs = [_write(tmp_path / f"{n}.jsonl", _curve(20)) for n in "abc"]
+    code, _, err = _run(*runs)
+    assert code == 2 and "the loss check compares two runs" in err

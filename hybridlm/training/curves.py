@@ -1,4 +1,5 @@
-"""Does a run's loss curve track a reference run's? (`python scripts/compare_runs.py A B`)
+"""Does a run's loss curve track a reference run's? (`python scripts/compare_runs.py A B`); and several runs'
+logged figures side by side (`python scripts/compare_runs.py --series mfu,exposed_comm_share A B C [--plot out.png]`).
 
 Two runs of the same model, data and seed in different layouts (8 GPUs against 1, bf16)
 compute the same function only up to rounding, and rounding differences grow over hundreds
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -20,22 +22,27 @@ class CurveError(ValueError):
     """A metrics file that cannot be compared; the message is one sentence naming it."""
 
 
-def load_losses(path: str) -> dict[int, float]:
-    """iteration -> loss from a ``--metrics-file`` JSONL (records without a loss are skipped)."""
-    losses: dict[int, float] = {}
+def read_metrics(path: str) -> list[dict]:
+    """The records of a ``--metrics-file`` JSONL, in file order."""
+    records = []
     try:
         with open(path) as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    records.append(json.loads(line))
                 except json.JSONDecodeError:
                     raise CurveError(f"{path}, line {number}: not a JSON record (is this a --metrics-file?).") from None
-                if "iteration" in record and record.get("loss") is not None:
-                    losses[int(record["iteration"])] = float(record["loss"])
     except OSError as e:
         raise CurveError(f"{path}: cannot read it ({e.strerror}).") from None
+    return records
+
+
+def load_losses(path: str) -> dict[int, float]:
+    """iteration -> loss from a ``--metrics-file`` JSONL (records without a loss are skipped)."""
+    losses = {int(r["iteration"]): float(r["loss"]) for r in read_metrics(path)
+              if "iteration" in r and r.get("loss") is not None}
     if not losses:
         raise CurveError(f"{path}: no records with an iteration and a loss (was it written with --log-interval 1?).")
     return losses
@@ -68,17 +75,26 @@ def compare(reference: dict[int, float], other: dict[int, float], *, window: int
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reference", help="metrics JSONL of the reference run (e.g. 1 GPU)")
-    parser.add_argument("other", help="metrics JSONL of the run to check (e.g. 8 GPUs)")
+    parser.add_argument("runs", nargs="+", help="metrics JSONL files: the reference run (e.g. 1 GPU) and the run to check "
+                        "(e.g. 8 GPUs); with --series, any number of runs")
     parser.add_argument("--window", type=int, default=10, help="steps per averaged window")
     parser.add_argument("--skip", type=int, default=0, help="ignore the first steps (warm-up)")
     parser.add_argument("--tolerance", type=float, default=0.02, help="largest allowed relative gap of windowed means")
+    parser.add_argument("--series", default=None, help="instead of the loss check, show these logged figures of every "
+                        f"run side by side: a comma list, or 'monitor' for {','.join(DEFAULT_SERIES)}")
+    parser.add_argument("--plot", default=None, help="with --series: also draw them against the iteration into this PNG")
     args = parser.parse_args(argv)
-    if args.window < 1 or args.tolerance <= 0:
-        print("error: --window must be positive and --tolerance greater than 0.", file=sys.stderr)
-        return 2
     try:
-        result = compare(load_losses(args.reference), load_losses(args.other), window=args.window, skip=args.skip)
+        if args.series is not None:
+            names = DEFAULT_SERIES if args.series == "monitor" else [s.strip() for s in args.series.split(",") if s.strip()]
+            return show_series(args.runs, list(names), skip=args.skip, plot_path=args.plot)
+        if len(args.runs) != 2 or args.plot:
+            raise CurveError("the loss check compares two runs (a reference and another) and draws nothing; "
+                             "--series shows any number of runs and --plot draws them.")
+        if args.window < 1 or args.tolerance <= 0:
+            raise CurveError("--window must be positive and --tolerance greater than 0.")
+        reference, other = args.runs
+        result = compare(load_losses(reference), load_losses(other), window=args.window, skip=args.skip)
     except CurveError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -86,6 +102,75 @@ def main(argv: list[str] | None = None) -> int:
     for first, last, ref, oth in result.windows:
         print(f"{first:>5d}-{last:<5d} {ref:10.4f} {oth:10.4f} {100 * abs(oth - ref) / abs(ref):6.2f}%")
     verdict = "tracks" if result.max_gap <= args.tolerance else "DIVERGES from"
-    print(f"{args.other} {verdict} {args.reference}: largest windowed gap {100 * result.max_gap:.2f}% "
+    print(f"{other} {verdict} {reference}: largest windowed gap {100 * result.max_gap:.2f}% "
           f"(steps {result.worst_window[0]}-{result.worst_window[1]}; tolerance {100 * args.tolerance:.1f}%)")
     return 0 if result.max_gap <= args.tolerance else 1
+
+
+# ---------------------------------------------------------------- several runs' logged figures side by side
+
+DEFAULT_SERIES = ("loss", "mfu", "comm_share", "exposed_comm_share", "gpu_busy_share", "grad_noise_scale")
+
+
+def load_series(path: str, names: list[str], skip: int = 0) -> dict[str, list[tuple[int, float]]]:
+    """name -> [(iteration, value)] of a run's records after ``skip`` (the monitor's figures come only on the logged
+    steps after a sampled one; a figure never logged has no points)."""
+    series: dict[str, list[tuple[int, float]]] = {name: [] for name in names}
+    for record in read_metrics(path):
+        iteration = record.get("iteration")
+        if iteration is None or iteration <= skip:
+            continue
+        for name in names:
+            value = record.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                series[name].append((int(iteration), float(value)))
+    return series
+
+
+def _number(name: str, value: float) -> str:
+    share = name == "mfu" or name.endswith("_share") or name.endswith("utilization")
+    return f"{100 * value:.1f}%" if share else f"{value:,.4g}"
+
+
+def show_series(paths: list[str], names: list[str], *, skip: int = 0, plot_path: str | None = None) -> int:
+    """Print, per figure, each run's count, first, median and last value after ``skip``; draw them if asked."""
+    if not names:
+        raise CurveError("--series names no figure; give a comma list such as mfu,exposed_comm_share.")
+    runs = {path: load_series(path, names, skip) for path in paths}
+    width = max(len(p) for p in paths) + 2
+    for name in names:
+        print(f"{name:<{width}s} {'values':>7s} {'first':>10s} {'median':>10s} {'last':>10s}")
+        for path, series in runs.items():
+            values = [v for _, v in series[name]]
+            if values:
+                cells = [_number(name, v) for v in (values[0], statistics.median(values), values[-1])]
+            else:
+                cells = ["-"] * 3
+            print(f"  {path:<{width - 2}s} {len(values):>7d} " + " ".join(f"{c:>10s}" for c in cells))
+    if plot_path:
+        plot_series(runs, names, plot_path)
+        print(f"wrote {plot_path}")
+    return 0
+
+
+def plot_series(runs: dict[str, dict], names: list[str], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CurveError("--plot needs matplotlib (pip install matplotlib).") from None
+    figure, axes = plt.subplots(len(names), 1, figsize=(8, 2.4 * len(names)), sharex=True, squeeze=False)
+    for axis, name in zip(axes[:, 0], names):
+        for label, series in runs.items():
+            points = series[name]
+            if points:
+                axis.plot([i for i, _ in points], [v for _, v in points], marker="." if len(points) < 50 else None,
+                          label=label)
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize="small")
+    axes[-1, 0].set_xlabel("iteration")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
