@@ -30,6 +30,8 @@ SUITES = {
     "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
     "post-training": "fine-tuning on one GPU: packed SFT of a Qwen2-1.5B shape beside TRL's SFTTrainer and hybridlm's own "
                      "pretraining, DPO's reference pass; LoRA of a llama2-7b shape against full fine-tuning with ZeRO-3 + CPU offload",
+    "monitor": "what the training monitor costs (README, 'Monitoring'): the reference on one GPU trained without it and "
+               "with the gradient noise scale and a profiled step every 5, in one call",
     "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
 }
 
@@ -236,6 +238,13 @@ CASES = (
     Case("preprocess", "data", "byte-level BPE 32k on a 220 MB JSONL corpus: bare encoder, preprocess_data.py --workers 1 and 2",
          gpus=0, figures=("MB/s", "M tokens/s", "of bare encode_batch", "peak RSS"), launcher="python",
          script=("benchmarks/preprocess_bench.py", "--size-mb", "220"), peers=("megatron-lm",), expected_s=400, timeout_s=580),
+    # the training monitor's cost
+    Case("monitor-overhead", "monitor", "the reference on 1 GPU, ref-bf16's flags: monitor off, then --log-grad-noise-scale "
+         "--log-comm-interval 5", launcher="python", script=("benchmarks/monitor_overhead.py", "--out", "/tmp/monitor-overhead"),
+         figures=("step ms (monitor off)", "step ms (noise scale on, unsampled)", "noise scale cost per step",
+                  "sampled step cost ms", "overhead at --log-comm-interval 500",
+                  "overhead at --log-comm-interval 500 with the noise scale", "exposed comm share", "GPU busy share"),
+         expected_s=300, timeout_s=580),
     # the test suite's check of the runner
     Case("cpu-tiny", "cpu", "built-in tiny model, 1 rank, ZeRO-0, fp32", model="tiny", gpus=0, steps=2, warmup=1,
          flags=("--deepspeed_config", "ds_configs/zero0.json"), expected_s=30, timeout_s=240),
