@@ -1,0 +1,86 @@
+"""On two GPUs (NCCL): a sampled step's communication split names the collectives of each process group and adds up
+to the profiler's own total of NCCL kernel time; with the gradient reduction overlapped with backward, the exposed
+share of communication falls below the raw share (and further below it than without the overlap).
+
+Skipped on CPU machines; on the GPU machine: `python3 -m pytest -m gpu tests/test_monitor_gpu.py`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from harness import free_port
+from oracle import ROOT, TINY
+
+from hybridlm.presets import LLAMA_BLOCK
+
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+
+SAMPLED = ["--train-iters", "6", "--log-interval", "2", "--log-comm-interval", "3", "--lr", "1e-4", "--bf16"]
+# what record_param_comms calls NCCL's collectives ("allreduce", "_allgather_base", "reduce_scatter_tensor_coalesced",
+# ...); a kernel joined to no op would carry its kernel's name ("AllReduce") instead
+COLLECTIVE = re.compile(r"^_?(all_?reduce|all_?gather|reduce_?scatter|broadcast|all_?to_?all|send|recv|barrier)[a-z_]*$")
+
+
+def _sampled(tmp_path, flags: list[str]) -> list[dict]:
+    """Train on 2 GPUs with ``flags`` (tests/monitor_runs.py); each rank's samples and rank 0's records."""
+    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    for _ in range(3):  # a port free_port() saw free can be taken before the launcher binds it
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                                 str(free_port()), "tests/monitor_runs.py", "--out", str(out), "--", *flags],
+                                cwd=ROOT, capture_output=True, text=True, timeout=600)
+        if result.returncode == 0 or "EADDRINUSE" not in result.stdout + result.stderr:
+            break
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+
+
+@two_gpus
+@pytest.mark.parametrize("layout, group", [(["--tensor-model-parallel-size", "2", "--sequence-parallel"], "tp"),
+                                           (["--deepspeed_config", "ds_configs/zero1.json"], "dp")], ids=["tp2-sp", "dp2"])
+def test_a_sampled_steps_split_names_each_groups_collectives_and_adds_up_to_the_profilers_total(tmp_path, layout, group):
+    ranks = _sampled(tmp_path, TINY + SAMPLED + layout)
+    for rank, run in enumerate(ranks):
+        assert [s["iteration"] for s in run["samples"]] == [3, 6], f"rank {rank}"
+        for sample in run["samples"]:
+            split = sample["by_group"]
+            assert sum(split.values()) == pytest.approx(sample["profiler_nccl_ms"], rel=0.01, abs=0.02), sample
+            assert split[group] > 0.5 * sample["comm_ms"], f"rank {rank}: most of the step's communication is {group}'s: {split}"
+            names = sample["by_collective"][group]
+            assert names and all(COLLECTIVE.match(name) for name in names), names
+            assert 0 < sample["exposed_comm_share"] <= sample["comm_share"] <= sample["busy_share"] <= 1
+    logged = [r for r in ranks[0]["records"] if "comm_sampled_iteration" in r]
+    assert [r["iteration"] for r in logged] == [4, 6]
+    assert all(r[f"comm_{group}_ms"] > 0 and 0 < r["gpu_busy_share"] <= 1 for r in logged)
+
+
+def _overlap_config(tmp_path, overlap: bool) -> str:
+    with open(os.path.join(ROOT, "ds_configs", "zero2.json")) as f:
+        ds = json.load(f)
+    ds["zero_optimization"].update(overlap_comm=overlap, reduce_bucket_size=2_000_000)  # small buckets: reduce as backward goes
+    path = tmp_path / f"zero2_overlap_{overlap}.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
+@two_gpus
+def test_with_the_gradient_reduction_overlapped_the_exposed_share_falls_below_the_raw_share(tmp_path):
+    model = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "2816",
+             "--seq-length", "1024", "--vocab-size", "32768", "--micro-batch-size", "4", "--global-batch-size", "16",
+             *LLAMA_BLOCK]
+    ratios = {}
+    for overlap in (True, False):
+        ranks = _sampled(tmp_path, model + SAMPLED + ["--deepspeed_config", _overlap_config(tmp_path, overlap)])
+        samples = [s for run in ranks for s in run["samples"]]
+        assert all(s["by_group"]["dp"] > 0 for s in samples)
+        ratios[overlap] = max(s["exposed_comm_share"] / s["comm_share"] for s in samples)
+    assert ratios[True] < 0.8, f"overlapped reduction: exposed / raw communication share {ratios[True]:.2f}"
+    assert ratios[True] < ratios[False], ratios
