@@ -24,7 +24,7 @@ setup(
     ],
     extras_require={
         "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
-        "gpu": ["flash-attn", "transformer-engine[pytorch]"],
+        "gpu": ["flash-attn", "transformer-engine[pytorch]", "nvidia-ml-py"],  # nvidia-ml-py: NVML utilisation in the monitor
         "bench": ["matplotlib"],  # benchmarks/headline.png (python -m benchmarks render)
     },
 )
