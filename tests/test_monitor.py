@@ -326,3 +326,22 @@ def test_a_comm_interval_below_one_is_refused():
     from hybridlm.training.trainer import prepare_config
     with pytest.raises(ConfigError, match="--log-comm-interval must be at least 1, got 0"):
         prepare_config(parse_args(TINY + ["--log-comm-interval", "0"]), world_size=1)
+
+
+def test_the_monitors_figures_join_the_step_record_the_log_line_and_the_trackers_scalars(tmp_path, capsys):
+    from hybridlm.config import ModelConfig
+    from hybridlm.training.metrics import StepLog
+    from hybridlm.training.moe_metrics import tracker_metrics
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=32)
+    model.padded_vocab_size = 512
+    figures = {"comm_sampled_iteration": 500, "comm_ms": 12.5, "comm_share": 0.2, "exposed_comm_share": 0.05,
+               "exposed_comm_share_max": 0.08, "gpu_busy_share": 0.9, "comm_tp_ms": 10.0, "comm_other_ms": 2.5,
+               "sampled_step_ms": 62.5, "comm_sample_overhead_ms": 300.0, "grad_noise_scale": 1234.5}
+    log = StepLog(model, world_size=2, tokens_per_step=256, peak=None, metrics_file=str(tmp_path / "m.jsonl"), enabled=True)
+    record = log.record(iteration=510, loss=2.0, lr=1e-4, grad_norm=1.0, step_seconds=0.1, total_iters=1000, monitor=figures)
+    log.close()
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line == ("    monitor | iteration 500 sampled: collectives 12.5 ms (tp 10.0, other 2.5), 20.0% of the step, exposed 5.0% "
+                    "(worst rank 8.0%) | GPU busy 90.0% | grad noise scale 1,234 samples")
+    assert figures.items() <= record.items()
+    assert figures.items() <= tracker_metrics(record).items()
