@@ -134,14 +134,14 @@ class SmoothedNoiseScale:
         self.steps += 1
 
     def value(self, small_ema: Optional[float] = None) -> Optional[float]:
-        """B_simple in samples, or None before the first step or while the |G|^2 estimate is not positive.
+        """B_simple in samples; None before the first step and while an estimate is not positive (noise).
         ``small_ema``: the small-batch EMA summed over the ranks (default: this one's)."""
         if not self.steps:
             return None
         correction = 1.0 - self.decay ** self.steps
         small = (float(self.small) if small_ema is None else small_ema) / correction
         true_sq, trace = noise_scale_estimates(small, float(self.big) / correction, self.b_small, self.b_big)
-        return trace / true_sq if true_sq > 0 else None
+        return trace / true_sq if true_sq > 0 and trace > 0 else None
 
 
 def counted_parameters(module: torch.nn.Module, tp_rank: int) -> list[torch.nn.Parameter]:
@@ -228,8 +228,7 @@ class CommSampler:
 
     @contextmanager
     def around(self, iteration: int):
-        if self.pending is not None:  # two samples within one log interval: only the last one is reported
-            self.pending = None
+        self.pending = None  # two samples within one log interval: only the last one is reported
         _synchronize()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         session = profile(activities=activities, record_shapes=False, with_stack=False)
