@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="/tmp/monitor-overhead", help="folder for the runs' metrics and logs")
     parser.add_argument("--record-file", default=None, help="append one JSON record (the benchmark suite's)")
     args = parser.parse_args(argv)
+    if not 1 <= args.interval <= args.steps:
+        parser.error(f"--interval {args.interval} must be between 1 and --steps {args.steps}: some timed steps must be sampled.")
     os.makedirs(args.out, exist_ok=True)
     base = (TINY if args.tiny else HEADLINE) + ["--train-iters", str(args.warmup + args.steps), "--log-interval", "1",
                                                "--lr-warmup-iters", "0"]
