@@ -9,8 +9,8 @@ session around a step lives in ``monitor.py``.
 Which collective a kernel belongs to: PyTorch's NCCL backend wraps each collective in a
 ``record_param_comms`` CPU op whose arguments name the process group ("Process Group Name", the
 ``group_name`` of the torch ProcessGroup; "Process Group Ranks", its global ranks, cut after 30 with
-"..."), and the collective ("Collective name"). Kineto copies those arguments onto the kernels the op
-launched; where it does not, the kernel is joined to the op by its "External id", or by its
+"..."), and the collective ("Collective name"). Recent kineto copies those arguments onto the kernels
+the op launched; where it does not, the kernel is joined to the op by its "External id", or by its
 "correlation" with the runtime launch that the op encloses on the launching thread. A communication
 kernel is one whose name says NCCL (``ncclDevKernel_AllReduce_...``, ``ncclKernel_...``): a copy the
 collective launched around it is compute.
@@ -21,7 +21,8 @@ first by its name among the run's own groups, then, for groups DeepSpeed made it
 grid's copies of ours, its expert-data-parallel groups, the world group its pipeline sends on), by the
 collective and the ranks: point-to-point traffic outside our named groups is the pipeline's, and a group
 with the same ranks as one of ours gets its label (an all-to-all preferring EP, then CP). Anything else
-is "other" (the world-wide all-reduces of the loss and the gradient norm).
+is "other": collectives over the whole world or a group of none of these kinds, and NCCL kernels no op
+could be found for.
 
 Gloo (CPU runs) records no ``record_param_comms`` in torch 2.13: its profile holds a ``c10d::<op>``
 CPU op on the calling thread (no process group among its recorded inputs) and a ``gloo:<op>``
