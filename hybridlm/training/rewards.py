@@ -31,9 +31,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config import ConfigError
+from ..config import ConfigError, PostTrainConfig
 
-DEFAULT_FORMAT_PATTERN = r"^<think>(?!.*<think>)(.*?)</think>.*$"  # reasoning in one <think> block, then the answer
+DEFAULT_FORMAT_PATTERN = PostTrainConfig.format_pattern  # reasoning in one <think> block, then the answer
 
 
 class RewardError(RuntimeError):

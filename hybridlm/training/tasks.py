@@ -6,6 +6,9 @@ ends in, the step's micro-batches ("batch -> loss") and the values it adds to th
               by the global batch's loss tokens; rows packed with ``--packing``
     dpo       a preference loss on ``preprocess_chat`` pairs against reference log-probabilities
               computed once before training (``hybridlm.training.reference``)
+    grpo      a policy-gradient loss on the policy's own completions of JSONL prompts, sampled on the
+              live weights every --num-iterations steps and scored by reward functions
+              (``hybridlm.training.grpo``, ``rollout``, ``rewards``)
 
 Every task follows the loss contract of ``hybridlm.parallel.loss``: its loss returns sums, and
 its ``step_batches`` counts what they are normalised by (every token; loss tokens; pairs and chosen
@@ -16,10 +19,13 @@ pretraining's count is the same every step (every token), so it is reduced once 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import os
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -118,6 +124,10 @@ class PretrainTask:
     def checkpoint_files(self) -> dict:
         """{name: text} saved in each checkpoint beside the weights."""
         return {}
+
+    def rank_state(self) -> dict | None:
+        """What only this rank holds that a resume needs (``checkpoint.task_state_file``), or None."""
+        return None
 
 
 class ChatTask(PretrainTask):
@@ -267,7 +277,253 @@ class DPOTask(ChatTask):
                 f"reference {'none' if f.reference == 'none' else self.reference_tag}")
 
 
-TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask}
+class GRPOTask(PretrainTask):
+    """The policy's own completions, rewarded: a rollout batch (``grpo.RolloutBatch``) is sampled every
+    --num-iterations steps and trained on by the one step loop, as every task's batches are."""
+    name = "grpo"
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.prompts = self.tokenizer = self.template = self.rewards = None
+        self.stops: tuple = ()
+        self.grpo_loss = self.sampler = self.batch = self.stats = None
+        self.frozen = None  # the starting weights (--beta > 0 without LoRA)
+        self.reference_tag = None  # the checkpoint folder they are
+
+    def _setup(self) -> None:
+        """Tokenizer, chat template, reward functions and prompts: files only, before any process group."""
+        if self.prompts is not None:
+            return
+        from ..data.prompts import PromptSet, stop_tokens
+        from .rewards import load_reward_functions
+        d, f, m = self.cfg.data, self.cfg.posttrain, self.cfg.model
+        self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+        self.template = self._template()
+        self.rewards = load_reward_functions(f.reward_funcs, f.format_pattern)
+        room = m.seq_length - f.max_completion_length
+        self.prompts = PromptSet(str(d.data_path[0]).split()[0], self.tokenizer, self.template, seed=self.cfg.train.seed,
+                                 max_tokens=room, required_columns={"solution": "accuracy"} if "accuracy" in f.reward_funcs else {},
+                                 limit_reason=f"--seq-length {m.seq_length} leaves beside --max-completion-length {f.max_completion_length}")
+        self.stops = stop_tokens(self.tokenizer, self.template)
+
+    def _template(self):
+        """The chat template the --load checkpoint was fine-tuned with, else its tokenizer's (None: none)."""
+        from ..data.chat_template import TEMPLATE_FILE, load_template
+        from .checkpoint import tag_to_load
+        t, d = self.cfg.train, self.cfg.data
+        tag = tag_to_load(t.load, t.ckpt_step)
+        saved = os.path.join(t.load, tag, TEMPLATE_FILE) if tag else None
+        tokenizer_dir = d.tokenizer_model or ""
+        if saved and os.path.isfile(saved):
+            return load_template(tokenizer_dir, saved)
+        if d.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(tokenizer_dir):
+            try:
+                return load_template(tokenizer_dir)
+            except ConfigError:
+                return None  # plain-text prompts need none; a conversational one says so, naming its line
+        return None
+
+    def check(self) -> None:
+        self._setup()
+
+    def loss(self, reducer):
+        from .losses import GRPOLoss
+        f = self.cfg.posttrain
+        self.grpo_loss = GRPOLoss(reducer, self.cfg.model.vocab_size, beta=f.beta, epsilon=f.epsilon,
+                                  epsilon_high=f.epsilon if f.epsilon_high is None else f.epsilon_high, temperature=f.temperature)
+        return self.grpo_loss
+
+    def datasets(self) -> tuple:
+        self._setup()
+        return self.prompts, None
+
+    def prepare(self, run) -> None:
+        """A resumed GRPO run's reference is the checkpoint it started from (recorded in its checkpoints):
+        loaded and frozen here, before --load brings the policy."""
+        recorded = self._recorded_reference()
+        if recorded and self._needs_frozen_copy():
+            from .reference import load_weights
+            load_weights(run, recorded)
+            self._freeze(run, recorded)
+
+    def loaded(self, run) -> None:
+        from ..model.generation import Sampling
+        from .grpo import RolloutStats
+        from .rollout import Sampler
+        f = self.cfg.posttrain
+        if self._needs_frozen_copy() and self.frozen is None:  # a fresh start: the reference is what --load loaded
+            self._freeze(run, self._load_tag_dir())
+        self.sampler = Sampler(run, Sampling(greedy=False, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+                                             seed=self.cfg.train.seed), f.max_completion_length, self.stops, self.tokenizer.pad)
+        self.stats = RolloutStats([r.name for r in self.rewards])
+        self._restore_rank_state(run)
+
+    def _needs_frozen_copy(self) -> bool:
+        return self.cfg.posttrain.beta > 0 and not self.cfg.model.lora_rank
+
+    def _load_tag_dir(self) -> str:
+        from .checkpoint import tag_to_load
+        t = self.cfg.train
+        return os.path.abspath(os.path.join(t.load, tag_to_load(t.load, t.ckpt_step)))
+
+    def _recorded_reference(self) -> str | None:
+        path = os.path.join(self._load_tag_dir(), GRPO_REFERENCE_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)["reference"]
+
+    def _freeze(self, run, tag_dir: str) -> None:
+        from .rollout import FrozenWeights
+        self.frozen, self.reference_tag = FrozenWeights(run.engine), tag_dir
+
+    def _restore_rank_state(self, run) -> None:
+        """The rollout stream and unfinished rollout batch of a resumed run, at the layout they were saved at."""
+        import torch.distributed as dist
+        from ..interop.layout import Layout, read_info
+        from ..data.samples import to_device
+        from .checkpoint import task_state_file
+        from .distributed import device
+        tag_dir = self._load_tag_dir()
+        path = task_state_file(tag_dir, dist.get_rank())
+        if self.cfg.train.finetune or not os.path.isfile(path) or read_info(tag_dir, "--load").layout != Layout.of_run(self.cfg):
+            return
+        state = torch.load(path, weights_only=False)
+        self.sampler.load_state(state["stream"])
+        if state["batch"] is not None:
+            batch = state["batch"]
+            batch.micro_batches, batch.counts = to_device(batch.micro_batches, device()), batch.counts.to(device())
+            self.batch = batch
+
+    def rank_state(self) -> dict | None:
+        from ..data.samples import to_device
+        batch = self.batch
+        if batch is not None:  # a copy on the host, without the step's scales (reduced again on resume)
+            batch = dataclasses.replace(batch, micro_batches=to_device(batch.micro_batches, "cpu"), counts=batch.counts.cpu(),
+                                        scales=None)
+        return {"stream": self.sampler.state(), "batch": batch}
+
+    def checkpoint_files(self) -> dict:
+        from ..data.chat_template import TEMPLATE_FILE
+        files = {TEMPLATE_FILE: self.template.text} if self.template is not None else {}
+        if self.reference_tag:
+            files[GRPO_REFERENCE_FILE] = json.dumps({"reference": self.reference_tag}) + "\n"
+        return files
+
+    def step_batches(self, run, batches: Iterator) -> Iterator:
+        """This step's micro-batches: those of the current rollout batch, sampled anew every --num-iterations steps."""
+        if self.batch is None or run.iteration >= self.batch.first_iteration + self.cfg.posttrain.num_iterations:
+            self.batch = self._rollout(run)
+        if self.batch.scales is None:
+            _, self.batch.scales = self.step_counts(run, [self.batch.counts])
+        self.grpo_loss.on_policy = self.batch.on_policy
+        self.stats.steps += 1
+        self.stats.trained_tokens += self.batch.trained_tokens
+        return iter([(inputs, (*labels, self.batch.scales)) for inputs, labels in self.batch.micro_batches])
+
+    def _rollout(self, run):
+        from .grpo import RolloutRows, advantages_of, synchronize
+        f, t, ps = self.cfg.posttrain, self.cfg.train, run.ps
+        g = f.num_generations
+        start = synchronize()
+        per_step = t.global_batch_size // g
+        per_replica = per_step // ps.dp.size
+        first = (run.iteration // f.num_iterations) * per_step + ps.dp.rank * per_replica
+        prompts = [self.prompts.prompt(first + j) for j in range(per_replica) for _ in range(g)]
+        completions = self.sampler.sample(run, [p.ids for p in prompts])
+        rewards = self._score(run, prompts, completions)
+        weights = np.asarray(f.reward_weights or [1.0] * len(self.rewards), dtype=np.float64)
+        advantages, weighted = advantages_of(rewards, weights, g, f.scale_rewards, ps.dp)
+        self._count(completions, rewards, weighted)
+        self.stats.rollout_seconds += synchronize() - start
+        return self.use_rollout(run, RolloutRows([list(p.ids) for p in prompts], completions.tokens, completions.truncated,
+                                                 advantages.tolist()))
+
+    def use_rollout(self, run, rows) -> "RolloutBatch":  # noqa: F821
+        """The rollout batch of ``rows`` (this replica's), with the old log-probs (--num-iterations > 1) and
+        the reference's (--beta > 0) computed here unless ``rows`` gives them."""
+        from .grpo import build_micro_batches, record_logps, synchronize, with_logps
+        from .rollout import reference_context
+        f = self.cfg.posttrain
+        batch = build_micro_batches(run, rows, pad_id=self.tokenizer.pad, first_iteration=run.iteration)
+        start = synchronize()
+        if rows.old is None and f.num_iterations > 1:
+            batch = with_logps(batch, old=record_logps(run, batch, self.grpo_loss))
+            batch.on_policy = False
+        if f.beta and rows.reference is None:
+            with reference_context(run.engine, self.frozen):
+                batch = with_logps(batch, reference=record_logps(run, batch, self.grpo_loss))
+        self.stats.logprob_seconds += synchronize() - start
+        return batch
+
+    def _score(self, run, prompts: list, completions) -> np.ndarray:
+        """[completions, functions] rewards, computed on the replica's first rank and shared with its TP and CP ranks."""
+        import torch.distributed as dist
+        from ..data.prompts import completion_text
+        from .distributed import device
+        from .rewards import RewardError, score
+        ps, count = run.ps, len(self.rewards)
+        shared = torch.full((len(prompts), count + 1), float("nan"), dtype=torch.float64, device=device())
+        failure = None
+        if ps.tp.rank == 0 and ps.cp.rank == 0:
+            texts = [completion_text(self.tokenizer, ids, self.stops) for ids in completions.tokens]
+            columns = {name: [p.columns.get(name) for p in prompts] for name in self.prompts.column_names}
+            try:
+                shared[:, :count] = torch.from_numpy(score(
+                    self.rewards, prompts=[p.given for p in prompts], completion_ids=completions.tokens, columns=columns,
+                    completions=[[{"role": "assistant", "content": x}] if p.conversational else x for p, x in zip(prompts, texts)]))
+                shared[:, count] = 1.0
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it before they wait on this one
+                failure, shared[:, count] = e, 0.0
+        for group in (ps.cp, ps.tp):  # CP rank 0 of TP rank 0 first, then every TP rank from its TP rank 0
+            if group.size > 1:
+                dist.broadcast(shared, src=dist.get_global_rank(group.group, 0), group=group.group)
+        if failure is not None:
+            raise failure
+        if shared[0, count].item() != 1.0:
+            raise RewardError(f"a reward function failed on global rank {dist.get_global_rank(ps.tp.group, 0) if ps.tp.size > 1 else 0}"
+                              " of this replica (its error is in that rank's output).")
+        return shared[:, :count].cpu().numpy()
+
+    def _count(self, completions, rewards: np.ndarray, weighted: np.ndarray) -> None:
+        s = self.stats
+        lengths = [len(c) for c in completions.tokens]
+        s.completions += len(lengths)
+        s.tokens += sum(lengths)
+        s.truncated += sum(completions.truncated)
+        s.longest = max(s.longest, max(lengths))
+        for j, column in enumerate(list(rewards.T) + [weighted]):
+            valid = column[~np.isnan(column)]
+            s.rewards[j] += (len(valid), valid.sum(), (valid ** 2).sum())
+
+    def log_values(self, run, seconds: float) -> dict:
+        from .distributed import device
+        from .grpo import RolloutStats, metric_values
+        values = metric_values(self.stats, self.grpo_loss.take_sums(device()), run, seconds, self.cfg.posttrain.beta)
+        self.stats = RolloutStats(self.stats.names)
+        return values
+
+    def describe(self) -> str:
+        f = self.cfg.posttrain
+        weights = f.reward_weights or [1.0] * len(self.rewards)
+        rewards = " + ".join(f"{w:g} x {r.name}" for w, r in zip(weights, self.rewards))
+        clip = f"[{1 - f.epsilon:g}, {1 + (f.epsilon if f.epsilon_high is None else f.epsilon_high):g}]"
+        if not f.beta:
+            reference = "no reference (--beta 0)"
+        elif self.frozen is None:
+            reference = "reference: the base with its adapters off"
+        else:
+            reference = (f"reference: a frozen copy of {self.reference_tag}'s weights, "
+                         f"{self.frozen.bytes / 2**30:.2f} GiB on this rank")
+        return (f"grpo on {len(self.prompts):,} prompts, {f.num_generations} completions each of up to "
+                f"{f.max_completion_length} tokens (temperature {f.temperature:g}), reward {rewards}, advantages scaled by "
+                f"{f.scale_rewards}, {f.loss_type} loss, ratio clipped to {clip}, {f.num_iterations} step(s) per rollout, "
+                f"beta {f.beta:g}, {reference}")
+
+
+GRPO_REFERENCE_FILE = "grpo_reference.json"  # in each GRPO checkpoint (with a frozen reference): which weights it holds
+
+TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask, "grpo": GRPOTask}
 
 
 def build_task(cfg: RunConfig) -> PretrainTask:
