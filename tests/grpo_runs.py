@@ -20,15 +20,23 @@ GRPO = ["--task", "grpo", "--num-generations", "4", "--max-completion-length", "
 FROZEN = ["--lr", "0", "--min-lr", "0"]  # an optimizer step that leaves the weights: several losses, one model
 
 
-def model_and_prompts(directory) -> tuple[str, str, str]:
-    """(HF model directory, its import, a prompts file) in ``directory``, made once."""
+def model_and_prompts(directory, **config) -> tuple[str, str, str]:
+    """(HF model directory, its import, a prompts file) in ``directory``, made once (``config``: HF config values)."""
     hf, ckpt, prompts = (os.path.join(str(directory), name) for name in ("hf", "ckpt", "prompts.jsonl"))
     if not os.path.isdir(ckpt):
-        hf_model_dir(hf, "qwen2")
+        hf_model_dir(hf, "qwen2", **config)
         imported(hf, ckpt)
         write_jsonl(prompts, [{"messages": [{"role": "user", "content": word}], "solution": "1"}
                               for word in ("cat", "dog sat", "the mat", "far away", "home", "a dog ran")])
+        with open(os.path.join(str(directory), "rewards.py"), "w") as f:
+            f.write("def even_tokens(completion_ids, **kwargs):\n"
+                    "    return [sum(t % 2 == 0 for t in ids) / len(ids) for ids in completion_ids]\n")
     return hf, ckpt, prompts
+
+
+def even_tokens(directory) -> str:
+    """--reward-funcs of the share of a completion's token ids that are even (a learnable reward, chance 0.5)."""
+    return os.path.join(str(directory), "rewards.py") + ":even_tokens"
 
 
 def run_flags(directory, *extra: str) -> list[str]:
@@ -194,4 +202,15 @@ def train_steps(flags: list[str], steps: int, save: bool = False) -> dict:
         records.append(run.task.log_values(run, 1.0))
     if save:
         save_checkpoint(run)
-    return {"losses": losses, "records": records, "weights": _live_state(run, False)["weight"], "iteration": run.iteration}
+    return {"losses": losses, "records": records, "weights": _live_state(run, False)["weight"], "iteration": run.iteration,
+            "frozen": run.task.frozen is not None, "reference": run.task.reference_tag}
+
+
+def rollout_then_step(flags: list[str], prompts: list) -> dict:
+    """In each rank: the task's sampler on ``prompts`` (this replica's rows), then one training step."""
+    from hybridlm.training.trainer import data_iterator, train_step
+    run = build(flags)
+    out = run.task.sampler.sample(run, prompts)
+    loss = train_step(run, data_iterator(run)).item()
+    return {"tokens": out.tokens, "truncated": out.truncated, "stops": run.task.stops, "loss": loss,
+            "frozen": run.task.frozen is not None}

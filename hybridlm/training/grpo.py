@@ -207,7 +207,10 @@ def metric_values(stats: RolloutStats, loss_sums: torch.Tensor, run, seconds: fl
     if run.ps.grad_reduction.size > 1:  # token sums are each CP rank's slice: summed over DP x CP
         dist.all_reduce(loss_sums, group=run.ps.grad_reduction.group)
     values = {}
+    completions, generated, truncated, trained = counts.tolist()
     for name, (n, total, squares) in zip([f"rewards/{n}" for n in stats.names] + ["reward"], reward_rows.tolist()):
+        if not completions:  # no rollout since the last log (--num-iterations > 1): nothing to say of rewards
+            break
         mean = total / n if n else float("nan")
         std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else float("nan")
         values.update({f"{name}/mean": mean, f"{name}/std": std} if name != "reward" else {"reward": mean, "reward_std": std})
@@ -216,12 +219,12 @@ def metric_values(stats: RolloutStats, loss_sums: torch.Tensor, run, seconds: fl
         values["kl"] = loss_sums[0].item() / tokens
     for i, name in enumerate(GRPO_METRICS[1:], start=1):
         values[name] = loss_sums[i].item() / tokens
-    completions, generated, truncated, trained = counts.tolist()
-    values.update({"completions/mean_length": generated / max(completions, 1.0), "completions/max_length": longest.item(),
-                   "completions/clipped_ratio": truncated / max(completions, 1.0)})
+    if completions:
+        values.update({"completions/mean_length": generated / completions, "completions/max_length": longest.item(),
+                       "completions/clipped_ratio": truncated / completions})
     train_seconds = max(seconds - stats.rollout_seconds - stats.logprob_seconds, 1e-9)
     values.update({"rollout_seconds": stats.rollout_seconds, "logprob_seconds": stats.logprob_seconds,
-                   "train_seconds": train_seconds, "rollout_tokens_per_sec": generated / max(stats.rollout_seconds, 1e-9),
+                   "train_seconds": train_seconds, "rollout_tokens_per_sec": generated / stats.rollout_seconds if stats.rollout_seconds else 0.0,
                    "train_tokens_per_sec": trained / train_seconds,
                    "completions_per_sec": run.cfg.train.global_batch_size * stats.steps / max(seconds, 1e-9)})
     return values

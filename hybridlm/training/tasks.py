@@ -392,14 +392,14 @@ class GRPOTask(PretrainTask):
         self.sampler.load_state(state["stream"])
         if state["batch"] is not None:
             batch = state["batch"]
-            batch.micro_batches, batch.counts = to_device(batch.micro_batches, device()), batch.counts.to(device())
+            batch.micro_batches, batch.counts = [to_device(m, device()) for m in batch.micro_batches], batch.counts.to(device())
             self.batch = batch
 
     def rank_state(self) -> dict | None:
         from ..data.samples import to_device
         batch = self.batch
         if batch is not None:  # a copy on the host, without the step's scales (reduced again on resume)
-            batch = dataclasses.replace(batch, micro_batches=to_device(batch.micro_batches, "cpu"), counts=batch.counts.cpu(),
+            batch = dataclasses.replace(batch, micro_batches=[to_device(m, "cpu") for m in batch.micro_batches], counts=batch.counts.cpu(),
                                         scales=None)
         return {"stream": self.sampler.state(), "batch": batch}
 
