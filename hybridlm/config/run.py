@@ -242,6 +242,13 @@ class RunConfig:
     def _check_grpo(self) -> None:
         """GRPO's settings, its batch (counted in completions) and the layouts its rollouts run on."""
         f, t, p, m = self.posttrain, self.train, self.parallel, self.model
+        refuse_first("--task grpo", (
+            (p.pipeline_model_parallel_size > 1, f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: rollouts "
+             "decode one token at a time through every layer, which the pipeline schedule does not run; fit the model with "
+             "--tensor-model-parallel-size and ZeRO-3 (or --lora-rank) instead"),
+            (m.num_experts is not None, "--num-experts yet: the rollout decoder has not been checked with routed experts; use a dense model"),
+            (m.cuda_graphs, "--cuda-graphs: rollout rows change length every step, and a captured layer has one shape; drop --cuda-graphs"),
+        ))
         if not t.load:
             raise ConfigError("--task grpo needs --load: the policy starts from a checkpoint (and the reference is its weights).")
         if not f.reward_funcs:
@@ -272,13 +279,6 @@ class RunConfig:
             raise ConfigError(f"--global-batch-size {t.global_batch_size} counts completions, and each of the {p.data_parallel_size} "
                               f"data-parallel replicas samples all {g} (--num-generations) of its prompts: it must be a multiple "
                               f"of {g} x {p.data_parallel_size}.")
-        refuse_first("--task grpo", (
-            (p.pipeline_model_parallel_size > 1, f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: rollouts "
-             "decode one token at a time through every layer, which the pipeline schedule does not run; fit the model with "
-             "--tensor-model-parallel-size and ZeRO-3 (or --lora-rank) instead"),
-            (m.num_experts is not None, "--num-experts yet: the rollout decoder has not been checked with routed experts; use a dense model"),
-            (m.cuda_graphs, "--cuda-graphs: rollout rows change length every step, and a captured layer has one shape; drop --cuda-graphs"),
-        ))
 
     def _check_context_parallel(self, tp: int, cp: int) -> None:
         """What CP needs of the sequence and the heads, and what it has not been made to work with."""
