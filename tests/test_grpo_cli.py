@@ -4,11 +4,9 @@ process group exists."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
-from chat_fixtures import write_jsonl
 from grpo_runs import even_tokens, model_and_prompts
 from harness import run_ranks
 from oracle import ds_config

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,6 +78,17 @@ class RolloutStats:
         if self.rewards is None:
             self.rewards = np.zeros((len(self.names) + 1, 3))
 
+    def add(self, completions, rewards: np.ndarray, weighted: np.ndarray) -> None:
+        """One rollout's completions and their rewards [n, functions] and weighted sums [n]."""
+        lengths = [len(c) for c in completions.tokens]
+        self.completions += len(lengths)
+        self.tokens += sum(lengths)
+        self.truncated += sum(completions.truncated)
+        self.longest = max(self.longest, max(lengths))
+        for j, column in enumerate(list(rewards.T) + [weighted]):
+            valid = column[~np.isnan(column)]
+            self.rewards[j] += (len(valid), valid.sum(), (valid ** 2).sum())
+
 
 def advantages_of(rewards: np.ndarray, weights: np.ndarray, generations: int, scale: str, dp) -> tuple[np.ndarray, np.ndarray]:
     """(advantages [n], weighted rewards [n]) of rewards [n, functions] (NaN: unscored) for a replica's
@@ -111,6 +123,51 @@ def _nanstd(grouped: np.ndarray) -> np.ndarray:
     counts = (~np.isnan(grouped)).sum(axis=1)
     deviations = np.nansum((grouped - _nanmean(grouped)[:, None]) ** 2, axis=1)
     return np.where(counts > 1, np.sqrt(deviations / np.maximum(counts - 1, 1)), np.nan)
+
+
+def reward_inputs(tokenizer, stops, prompt_set, prompts: list, completions) -> dict:
+    """What the reward functions are called with (``hybridlm.training.rewards``) for a replica's rows."""
+    from ..data.prompts import completion_text
+    texts = [completion_text(tokenizer, ids, stops) for ids in completions.tokens]
+    return {"prompts": [p.given for p in prompts], "completion_ids": completions.tokens,
+            "completions": [[{"role": "assistant", "content": x}] if p.conversational else x for p, x in zip(prompts, texts)],
+            "columns": {name: [p.columns.get(name) for p in prompts] for name in prompt_set.column_names}}
+
+
+def shared_rewards(run, compute, functions: int) -> np.ndarray:
+    """``compute()``'s [rows, functions] rewards, called on the replica's first rank (TP and CP rank 0)
+    and broadcast to its others: a reward function runs once per row, and every rank of the replica
+    trains on the same numbers even if the function is not deterministic. A failure there is raised
+    on every rank of the replica (the others would otherwise wait for it until the timeout)."""
+    ps = run.ps
+    rows = run.cfg.train.global_batch_size // ps.dp.size
+    shared = torch.full((rows, functions + 1), float("nan"), dtype=torch.float64, device=device())
+    failure = None
+    if ps.tp.rank == 0 and ps.cp.rank == 0:
+        try:
+            shared[:, :functions] = torch.from_numpy(compute())
+            shared[:, functions] = 1.0
+        except Exception as e:  # noqa: BLE001 - raised below, after the others have heard of it
+            failure, shared[:, functions] = e, 0.0
+    for group in (ps.cp, ps.tp):  # TP rank 0's CP rank 0 to its CP ranks, then each TP rank 0 to its TP ranks
+        if group.size > 1:
+            dist.broadcast(shared, src=dist.get_global_rank(group.group, 0), group=group.group)
+    if failure is not None:
+        raise failure
+    if shared[0, functions].item() != 1.0:
+        from .rewards import RewardError
+        raise RewardError("a reward function failed on the first rank of this data-parallel replica (its error is in that "
+                          "rank's output).")
+    return shared[:, :functions].cpu().numpy()
+
+
+def moved(batch: Optional[RolloutBatch], where) -> Optional[RolloutBatch]:
+    """``batch`` with its tensors on ``where`` and no step scales (reduced again where it is used):
+    how a checkpoint keeps an unfinished rollout batch, and how a resume brings it back."""
+    if batch is None:
+        return None
+    return dataclasses.replace(batch, micro_batches=[to_device(m, where) for m in batch.micro_batches],
+                               counts=batch.counts.to(where), scales=None)
 
 
 def row_multiple(cfg) -> int:

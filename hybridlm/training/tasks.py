@@ -19,7 +19,6 @@ pretraining's count is the same every step (every token), so it is reduced once 
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -381,27 +380,20 @@ class GRPOTask(PretrainTask):
         """The rollout stream and unfinished rollout batch of a resumed run, at the layout they were saved at."""
         import torch.distributed as dist
         from ..interop.layout import Layout, read_info
-        from ..data.samples import to_device
         from .checkpoint import task_state_file
         from .distributed import device
+        from .grpo import moved
         tag_dir = self._load_tag_dir()
         path = task_state_file(tag_dir, dist.get_rank())
         if self.cfg.train.finetune or not os.path.isfile(path) or read_info(tag_dir, "--load").layout != Layout.of_run(self.cfg):
             return
         state = torch.load(path, weights_only=False)
         self.sampler.load_state(state["stream"])
-        if state["batch"] is not None:
-            batch = state["batch"]
-            batch.micro_batches, batch.counts = [to_device(m, device()) for m in batch.micro_batches], batch.counts.to(device())
-            self.batch = batch
+        self.batch = moved(state["batch"], device())
 
     def rank_state(self) -> dict | None:
-        from ..data.samples import to_device
-        batch = self.batch
-        if batch is not None:  # a copy on the host, without the step's scales (reduced again on resume)
-            batch = dataclasses.replace(batch, micro_batches=[to_device(m, "cpu") for m in batch.micro_batches], counts=batch.counts.cpu(),
-                                        scales=None)
-        return {"stream": self.sampler.state(), "batch": batch}
+        from .grpo import moved
+        return {"stream": self.sampler.state(), "batch": moved(self.batch, "cpu")}
 
     def checkpoint_files(self) -> dict:
         from ..data.chat_template import TEMPLATE_FILE
@@ -422,7 +414,8 @@ class GRPOTask(PretrainTask):
         return iter([(inputs, (*labels, self.batch.scales)) for inputs, labels in self.batch.micro_batches])
 
     def _rollout(self, run):
-        from .grpo import RolloutRows, advantages_of, synchronize
+        from .grpo import RolloutRows, advantages_of, reward_inputs, shared_rewards, synchronize
+        from .rewards import score
         f, t, ps = self.cfg.posttrain, self.cfg.train, run.ps
         g = f.num_generations
         start = synchronize()
@@ -431,10 +424,11 @@ class GRPOTask(PretrainTask):
         first = (run.iteration // f.num_iterations) * per_step + ps.dp.rank * per_replica
         prompts = [self.prompts.prompt(first + j) for j in range(per_replica) for _ in range(g)]
         completions = self.sampler.sample(run, [p.ids for p in prompts])
-        rewards = self._score(run, prompts, completions)
+        rewards = shared_rewards(run, lambda: score(self.rewards, **reward_inputs(self.tokenizer, self.stops, self.prompts,
+                                                                                   prompts, completions)), len(self.rewards))
         weights = np.asarray(f.reward_weights or [1.0] * len(self.rewards), dtype=np.float64)
         advantages, weighted = advantages_of(rewards, weights, g, f.scale_rewards, ps.dp)
-        self._count(completions, rewards, weighted)
+        self.stats.add(completions, rewards, weighted)
         self.stats.rollout_seconds += synchronize() - start
         return self.use_rollout(run, RolloutRows([list(p.ids) for p in prompts], completions.tokens, completions.truncated,
                                                  advantages.tolist()))
@@ -455,46 +449,6 @@ class GRPOTask(PretrainTask):
                 batch = with_logps(batch, reference=record_logps(run, batch, self.grpo_loss))
         self.stats.logprob_seconds += synchronize() - start
         return batch
-
-    def _score(self, run, prompts: list, completions) -> np.ndarray:
-        """[completions, functions] rewards, computed on the replica's first rank and shared with its TP and CP ranks."""
-        import torch.distributed as dist
-        from ..data.prompts import completion_text
-        from .distributed import device
-        from .rewards import RewardError, score
-        ps, count = run.ps, len(self.rewards)
-        shared = torch.full((len(prompts), count + 1), float("nan"), dtype=torch.float64, device=device())
-        failure = None
-        if ps.tp.rank == 0 and ps.cp.rank == 0:
-            texts = [completion_text(self.tokenizer, ids, self.stops) for ids in completions.tokens]
-            columns = {name: [p.columns.get(name) for p in prompts] for name in self.prompts.column_names}
-            try:
-                shared[:, :count] = torch.from_numpy(score(
-                    self.rewards, prompts=[p.given for p in prompts], completion_ids=completions.tokens, columns=columns,
-                    completions=[[{"role": "assistant", "content": x}] if p.conversational else x for p, x in zip(prompts, texts)]))
-                shared[:, count] = 1.0
-            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it before they wait on this one
-                failure, shared[:, count] = e, 0.0
-        for group in (ps.cp, ps.tp):  # CP rank 0 of TP rank 0 first, then every TP rank from its TP rank 0
-            if group.size > 1:
-                dist.broadcast(shared, src=dist.get_global_rank(group.group, 0), group=group.group)
-        if failure is not None:
-            raise failure
-        if shared[0, count].item() != 1.0:
-            raise RewardError(f"a reward function failed on global rank {dist.get_global_rank(ps.tp.group, 0) if ps.tp.size > 1 else 0}"
-                              " of this replica (its error is in that rank's output).")
-        return shared[:, :count].cpu().numpy()
-
-    def _count(self, completions, rewards: np.ndarray, weighted: np.ndarray) -> None:
-        s = self.stats
-        lengths = [len(c) for c in completions.tokens]
-        s.completions += len(lengths)
-        s.tokens += sum(lengths)
-        s.truncated += sum(completions.truncated)
-        s.longest = max(s.longest, max(lengths))
-        for j, column in enumerate(list(rewards.T) + [weighted]):
-            valid = column[~np.isnan(column)]
-            s.rewards[j] += (len(valid), valid.sum(), (valid ** 2).sum())
 
     def log_values(self, run, seconds: float) -> dict:
         from .distributed import device
