@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import reference as reference_ops
 from ..parallel.state import GroupHandle
 from .gpt import Embedding, OutputLayer, TransformerLayer
 
@@ -119,17 +120,30 @@ class Generator:
         if pad is None:
             return causal
         real = torch.arange(end, device=device).unsqueeze(0) >= pad.unsqueeze(1)  # [b, end]
+        if s == 1:  # a decoding step: its query is a real token, and every cached column is causal to it
+            return real[:, None, None, :]
         itself = torch.zeros(s, end, dtype=torch.bool, device=device)
         itself[torch.arange(s), torch.arange(start, end)] = True
         return ((causal & real.unsqueeze(1)) | itself).unsqueeze(1)  # [b, 1, s, end]
 
-    def _attention(self, layer: TransformerLayer, x, cache: KVCache, index: int, start: int, positions, mask):
+    def _rope(self, positions: torch.Tensor):
+        """(cos, sin, how to apply them) for ``positions``, computed once per forward for every layer (the
+        layers share one RoPE): what ``Rotary.apply`` computes per call; None without RoPE."""
+        rotary = self.layers[0].attention.rotary
+        if rotary is None:
+            return None
+        if positions.dim() == 1:
+            return (*rotary.rotation(positions), rotary.kernel)
+        return (*rotary.rotation(positions.t()), reference_ops.rotary)
+
+    def _attention(self, layer: TransformerLayer, x, cache: KVCache, index: int, start: int, rope, mask):
         attn = layer.attention
         q, k, v = attn.qkv(x).split(attn.qkv.local_sizes, dim=-1)
         s, b = q.shape[:2]
         q, k, v = (t.reshape(s, b, -1, attn.head_dim) for t in (q, k, v))
-        if attn.rotary is not None:
-            q, k = attn.rotary.apply(q, positions), attn.rotary.apply(k, positions)
+        if rope is not None:
+            cos, sin, rotate = rope
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         end = start + s
         cache.keys[index][:, :, start:end] = k.permute(1, 2, 0, 3)
         cache.values[index][:, :, start:end] = v.permute(1, 2, 0, 3)
@@ -156,8 +170,9 @@ class Generator:
         positions = self._positions(tokens.shape[1], start, pad, tokens.device)
         mask = self._mask(tokens.shape[1], start, pad, tokens.device)
         x = self._embed(tokens, positions)
+        rope = self._rope(positions)
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(layer, layer.attention_input(x), cache, index, start, positions, mask)
+            x = x + self._attention(layer, layer.attention_input(x), cache, index, start, rope, mask)
             x = x + layer.mlp(layer.mlp_input(x))
         return self._logits(x)
 
