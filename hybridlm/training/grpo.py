@@ -280,8 +280,9 @@ def metric_values(stats: RolloutStats, loss_sums: torch.Tensor, run, seconds: fl
         values.update({"completions/mean_length": generated / completions, "completions/max_length": longest.item(),
                        "completions/clipped_ratio": truncated / completions})
     train_seconds = max(seconds - stats.rollout_seconds - stats.logprob_seconds, 1e-9)
-    values.update({"rollout_seconds": stats.rollout_seconds, "logprob_seconds": stats.logprob_seconds,
-                   "train_seconds": train_seconds, "rollout_tokens_per_sec": generated / stats.rollout_seconds if stats.rollout_seconds else 0.0,
-                   "train_tokens_per_sec": trained / train_seconds,
-                   "completions_per_sec": run.cfg.train.global_batch_size * stats.steps / max(seconds, 1e-9)})
+    if completions:
+        values["rollout_tokens_per_sec"] = generated / max(stats.rollout_seconds, 1e-9)
+    values.update({"train_tokens_per_sec": trained / train_seconds,
+                   "completions_per_sec": run.cfg.train.global_batch_size * stats.steps / max(seconds, 1e-9),
+                   "rollout_seconds": stats.rollout_seconds, "logprob_seconds": stats.logprob_seconds, "train_seconds": train_seconds})
     return values
