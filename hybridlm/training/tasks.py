@@ -31,15 +31,25 @@ import torch.distributed as dist
 from ..config import ConfigError, RunConfig
 from ..data.builtin import builtin_prefix
 from ..data.chat_dataset import ChatData, DPOPairs, SFTRows, check_tokenizer
-from ..data.chat_template import TEMPLATE_FILE
+from ..data.chat_template import TEMPLATE_FILE, load_template
 from ..data.gpt_dataset import build_gpt_datasets, parse_data_path
 from ..data.indexed import IndexedDataset
 from ..data.mock import MockDocuments
+from ..data.prompts import PromptSet, stop_tokens
 from ..data.tokenizers import build_tokenizer, flags_text
+from ..interop.layout import Layout, read_info
+from ..model.generation import Sampling
 from ..model.gpt import LMLoss
 from ..parallel.loss import global_counts, loss_scales
 from ..parallel.tensor_parallel import IGNORE_INDEX
-from .losses import DPO_METRICS, DPOLoss, MaskedLMLoss
+from .checkpoint import tag_to_load, task_state_file
+from .distributed import device
+from .grpo import (RolloutBatch, RolloutRows, RolloutStats, advantages_of, build_micro_batches, metric_values, moved,
+                   record_logps, reward_inputs, shared_rewards, synchronize, with_logps)
+from .losses import DPO_METRICS, DPOLoss, GRPOLoss, MaskedLMLoss
+from .reference import load_weights
+from .rewards import load_reward_functions, score
+from .rollout import FrozenWeights, Sampler, reference_context
 
 
 class PretrainTask:
@@ -293,8 +303,6 @@ class GRPOTask(PretrainTask):
         """Tokenizer, chat template, reward functions and prompts: files only, before any process group."""
         if self.prompts is not None:
             return
-        from ..data.prompts import PromptSet, stop_tokens
-        from .rewards import load_reward_functions
         d, f, m = self.cfg.data, self.cfg.posttrain, self.cfg.model
         self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
         self.template = self._template()
@@ -307,8 +315,6 @@ class GRPOTask(PretrainTask):
 
     def _template(self):
         """The chat template the --load checkpoint was fine-tuned with, else its tokenizer's (None: none)."""
-        from ..data.chat_template import TEMPLATE_FILE, load_template
-        from .checkpoint import tag_to_load
         t, d = self.cfg.train, self.cfg.data
         tag = tag_to_load(t.load, t.ckpt_step)
         saved = os.path.join(t.load, tag, TEMPLATE_FILE) if tag else None
@@ -326,7 +332,6 @@ class GRPOTask(PretrainTask):
         self._setup()
 
     def loss(self, reducer):
-        from .losses import GRPOLoss
         f = self.cfg.posttrain
         self.grpo_loss = GRPOLoss(reducer, self.cfg.model.vocab_size, beta=f.beta, epsilon=f.epsilon,
                                   epsilon_high=f.epsilon if f.epsilon_high is None else f.epsilon_high, temperature=f.temperature)
@@ -341,14 +346,10 @@ class GRPOTask(PretrainTask):
         loaded and frozen here, before --load brings the policy."""
         recorded = self._recorded_reference()
         if recorded and self._needs_frozen_copy():
-            from .reference import load_weights
             load_weights(run, recorded)
             self._freeze(run, recorded)
 
     def loaded(self, run) -> None:
-        from ..model.generation import Sampling
-        from .grpo import RolloutStats
-        from .rollout import Sampler
         f = self.cfg.posttrain
         if self._needs_frozen_copy() and self.frozen is None:  # a fresh start: the reference is what --load loaded
             self._freeze(run, self._load_tag_dir())
@@ -361,7 +362,6 @@ class GRPOTask(PretrainTask):
         return self.cfg.posttrain.beta > 0 and not self.cfg.model.lora_rank
 
     def _load_tag_dir(self) -> str:
-        from .checkpoint import tag_to_load
         t = self.cfg.train
         return os.path.abspath(os.path.join(t.load, tag_to_load(t.load, t.ckpt_step)))
 
@@ -373,30 +373,27 @@ class GRPOTask(PretrainTask):
             return json.load(f)["reference"]
 
     def _freeze(self, run, tag_dir: str) -> None:
-        from .rollout import FrozenWeights
         self.frozen, self.reference_tag = FrozenWeights(run.engine), tag_dir
 
     def _restore_rank_state(self, run) -> None:
         """The rollout stream and unfinished rollout batch of a resumed run, at the layout they were saved at."""
-        import torch.distributed as dist
-        from ..interop.layout import Layout, read_info
-        from .checkpoint import task_state_file
-        from .distributed import device
-        from .grpo import moved
         tag_dir = self._load_tag_dir()
         path = task_state_file(tag_dir, dist.get_rank())
-        if self.cfg.train.finetune or not os.path.isfile(path) or read_info(tag_dir, "--load").layout != Layout.of_run(self.cfg):
+        if self.cfg.train.finetune or not os.path.isfile(path):
+            return
+        if read_info(tag_dir, "--load").layout != Layout.of_run(self.cfg):
+            if dist.get_rank() == 0:
+                print(f"grpo: {tag_dir} was saved at another layout: its rollout streams and any unfinished rollout batch "
+                      "are not carried over; sampling restarts from --seed at the next step.", flush=True)
             return
         state = torch.load(path, weights_only=False)
         self.sampler.load_state(state["stream"])
         self.batch = moved(state["batch"], device())
 
     def rank_state(self) -> dict | None:
-        from .grpo import moved
         return {"stream": self.sampler.state(), "batch": moved(self.batch, "cpu")}
 
     def checkpoint_files(self) -> dict:
-        from ..data.chat_template import TEMPLATE_FILE
         files = {TEMPLATE_FILE: self.template.text} if self.template is not None else {}
         if self.reference_tag:
             files[GRPO_REFERENCE_FILE] = json.dumps({"reference": self.reference_tag}) + "\n"
@@ -413,9 +410,7 @@ class GRPOTask(PretrainTask):
         self.stats.trained_tokens += self.batch.trained_tokens
         return iter([(inputs, (*labels, self.batch.scales)) for inputs, labels in self.batch.micro_batches])
 
-    def _rollout(self, run):
-        from .grpo import RolloutRows, advantages_of, reward_inputs, shared_rewards, synchronize
-        from .rewards import score
+    def _rollout(self, run) -> RolloutBatch:
         f, t, ps = self.cfg.posttrain, self.cfg.train, run.ps
         g = f.num_generations
         start = synchronize()
@@ -433,11 +428,9 @@ class GRPOTask(PretrainTask):
         return self.use_rollout(run, RolloutRows([list(p.ids) for p in prompts], completions.tokens, completions.truncated,
                                                  advantages.tolist()))
 
-    def use_rollout(self, run, rows) -> "RolloutBatch":  # noqa: F821
+    def use_rollout(self, run, rows: RolloutRows) -> RolloutBatch:
         """The rollout batch of ``rows`` (this replica's), with the old log-probs (--num-iterations > 1) and
         the reference's (--beta > 0) computed here unless ``rows`` gives them."""
-        from .grpo import build_micro_batches, record_logps, synchronize, with_logps
-        from .rollout import reference_context
         f = self.cfg.posttrain
         batch = build_micro_batches(run, rows, pad_id=self.tokenizer.pad, first_iteration=run.iteration)
         start = synchronize()
@@ -451,8 +444,6 @@ class GRPOTask(PretrainTask):
         return batch
 
     def log_values(self, run, seconds: float) -> dict:
-        from .distributed import device
-        from .grpo import RolloutStats, metric_values
         values = metric_values(self.stats, self.grpo_loss.take_sums(device()), run, seconds, self.cfg.posttrain.beta)
         self.stats = RolloutStats(self.stats.names)
         return values
