@@ -18,9 +18,9 @@ labels are the completion's tokens, the stop token included, so prompt and paddi
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,10 +28,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..data.prompts import completion_text
 from ..data.samples import context_slice, to_device, with_positions
 from ..parallel.tensor_parallel import IGNORE_INDEX
 from .distributed import device, on_gpu
 from .losses import GRPO_METRICS, grpo_weights
+from .rewards import RewardError
 from .step import run_step
 
 ROW_ALIGNMENT = 8  # rows are padded to a multiple of this (and of what CP and SP need): fewer distinct shapes
@@ -56,7 +58,7 @@ class RolloutBatch:
     counts: torch.Tensor  # [1] this rank's share of the step's count (the loss type's)
     first_iteration: int
     on_policy: bool  # no old log-probs: the ratio is 1 (one step per rollout)
-    trained_tokens: int  # prompt + completion tokens of this replica's rows (for the training rate)
+    trained_tokens: int  # positions of this replica's rows, padding left out (for the training rate)
     scales: Optional[torch.Tensor] = None  # the step's loss scale, once the counts are reduced
 
 
@@ -127,7 +129,6 @@ def _nanstd(grouped: np.ndarray) -> np.ndarray:
 
 def reward_inputs(tokenizer, stops, prompt_set, prompts: list, completions) -> dict:
     """What the reward functions are called with (``hybridlm.training.rewards``) for a replica's rows."""
-    from ..data.prompts import completion_text
     texts = [completion_text(tokenizer, ids, stops) for ids in completions.tokens]
     return {"prompts": [p.given for p in prompts], "completion_ids": completions.tokens,
             "completions": [[{"role": "assistant", "content": x}] if p.conversational else x for p, x in zip(prompts, texts)],
@@ -155,7 +156,6 @@ def shared_rewards(run, compute, functions: int) -> np.ndarray:
     if failure is not None:
         raise failure
     if shared[0, functions].item() != 1.0:
-        from .rewards import RewardError
         raise RewardError("a reward function failed on the first rank of this data-parallel replica (its error is in that "
                           "rank's output).")
     return shared[:, :functions].cpu().numpy()
@@ -199,7 +199,7 @@ def build_micro_batches(run, rows: RolloutRows, *, pad_id: int, first_iteration:
         for r, i in enumerate(chunk):
             prompt, completion = rows.prompts[i], rows.completions[i]
             ids = list(prompt) + list(completion)
-            trained += len(ids)
+            trained += len(ids) - 1  # the row's positions
             tokens[r, : len(ids) - 1] = torch.tensor(ids[:-1])
             if masked[r]:
                 continue
@@ -265,23 +265,20 @@ def metric_values(stats: RolloutStats, loss_sums: torch.Tensor, run, seconds: fl
         dist.all_reduce(loss_sums, group=run.ps.grad_reduction.group)
     values = {}
     completions, generated, truncated, trained = counts.tolist()
-    for name, (n, total, squares) in zip([f"rewards/{n}" for n in stats.names] + ["reward"], reward_rows.tolist()):
-        if not completions:  # no rollout since the last log (--num-iterations > 1): nothing to say of rewards
-            break
-        mean = total / n if n else float("nan")
-        std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else float("nan")
-        values.update({f"{name}/mean": mean, f"{name}/std": std} if name != "reward" else {"reward": mean, "reward_std": std})
+    if completions:  # else no rollout since the last log (--num-iterations > 1): nothing to say of rewards and lengths
+        for name, (n, total, squares) in zip([f"rewards/{n}" for n in stats.names] + ["reward"], reward_rows.tolist()):
+            mean = total / n if n else float("nan")
+            std = math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else float("nan")
+            values.update({f"{name}/mean": mean, f"{name}/std": std} if name != "reward" else {"reward": mean, "reward_std": std})
+        values.update({"completions/mean_length": generated / completions, "completions/max_length": longest.item(),
+                       "completions/clipped_ratio": truncated / completions,
+                       "rollout_tokens_per_sec": generated / max(stats.rollout_seconds, 1e-9)})
     tokens = max(loss_sums[-1].item(), 1.0)
     if beta:
         values["kl"] = loss_sums[0].item() / tokens
     for i, name in enumerate(GRPO_METRICS[1:], start=1):
         values[name] = loss_sums[i].item() / tokens
-    if completions:
-        values.update({"completions/mean_length": generated / completions, "completions/max_length": longest.item(),
-                       "completions/clipped_ratio": truncated / completions})
     train_seconds = max(seconds - stats.rollout_seconds - stats.logprob_seconds, 1e-9)
-    if completions:
-        values["rollout_tokens_per_sec"] = generated / max(stats.rollout_seconds, 1e-9)
     values.update({"train_tokens_per_sec": trained / train_seconds,
                    "completions_per_sec": run.cfg.train.global_batch_size * stats.steps / max(seconds, 1e-9),
                    "rollout_seconds": stats.rollout_seconds, "logprob_seconds": stats.logprob_seconds, "train_seconds": train_seconds})
