@@ -19,6 +19,7 @@ VARIANTS = [("grpo", "group", False), ("bnpo", "batch", False), ("dr_grpo", "non
 LAYOUTS = {
     "tp2_sp_dp2_zero1": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"] + ds_config("zero1")),
     "dp2_zero3": (2, ds_config("zero3")),
+    "dp2_zero2": (2, ds_config("zero2")),
     "cp2_zero1": (2, ["--context-parallel-size", "2"] + ds_config("zero1")),
 }
 
