@@ -248,6 +248,8 @@ class RunConfig:
              "--tensor-model-parallel-size and ZeRO-3 (or --lora-rank) instead"),
             (m.num_experts is not None, "--num-experts yet: the rollout decoder has not been checked with routed experts; use a dense model"),
             (m.cuda_graphs, "--cuda-graphs: rollout rows change length every step, and a captured layer has one shape; drop --cuda-graphs"),
+            (m.fp8_format is not None, f"--fp8-format {m.fp8_format}: rollouts decode a token per row at a time, shapes FP8 GEMMs "
+             "do not take (multiples of 16); train GRPO in bf16"),
         ))
         if not t.load:
             raise ConfigError("--task grpo needs --load: the policy starts from a checkpoint (and the reference is its weights).")
