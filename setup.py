@@ -23,7 +23,8 @@ setup(
         "jinja2>=3.1.6",  # chat templates (preprocess_chat); the sandbox fixes of 3.1.6, as transformers requires
     ],
     extras_require={
-        "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
+        "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py", "math-verify"],
+        "post": ["math-verify"],  # GRPO's accuracy reward (--reward-funcs accuracy)
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "nvidia-ml-py"],  # nvidia-ml-py: NVML utilisation in the monitor
         "bench": ["matplotlib"],  # benchmarks/headline.png (python -m benchmarks render)
     },

@@ -29,7 +29,8 @@ SUITES = {
     "planner": "the memory planner's estimate against the measured peak",
     "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
     "post-training": "fine-tuning on one GPU: packed SFT of a Qwen2-1.5B shape beside TRL's SFTTrainer and hybridlm's own "
-                     "pretraining, DPO's reference pass; LoRA of a llama2-7b shape against full fine-tuning with ZeRO-3 + CPU offload",
+                     "pretraining, DPO's reference pass; LoRA of a llama2-7b shape against full fine-tuning with ZeRO-3 + CPU offload; "
+                     "GRPO of a Qwen2-0.5B shape beside TRL's GRPOTrainer",
     "monitor": "what the training monitor costs (README, 'Monitoring'): the reference on one GPU trained without it and "
                "with the gradient noise scale and a profiled step every 5, in one call",
     "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
@@ -219,6 +220,11 @@ CASES = (
          script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench",
                  "--hybridlm-flags=--torch-compile"),
          expected_s=340, timeout_s=580),
+    Case("grpo-qwen2-0p5b", "post-training", "GRPO, Qwen2-0.5B shape, random weights, G 8, completions of 512 tokens, 64 per step "
+         "(mb 8), bf16, rollouts from hybridlm's own decoder; TRL GRPOTrainer (transformers generate, no vLLM) beside it", gpus=1,
+         figures=("completions/s", "generation s/step", "rest s/step", "peak GiB", "hybridlm/TRL"), launcher="python",
+         script=("benchmarks/grpo_throughput.py", "--out", "/tmp/grpobench-out", "--workdir", "/tmp/grpobench"),
+         expected_s=420, timeout_s=590),
     # kernels
     Case("kernels", "kernels", "rmsnorm, rope, swiglu at the reference's shapes, bf16: eager, torch.compile, fused",
          figures=("fwd", "fwd+bwd"), launcher="python", script=("benchmarks/kernels.py",), expected_s=120),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stage the wheels TRL's SFTTrainer needs on the GPU machine (it has transformers, accelerate, pandas,
+# Stage the wheels TRL's SFTTrainer and GRPOTrainer need on the GPU machine (it has transformers, accelerate, pandas,
 # pyarrow, xxhash; not TRL, datasets, dill or multiprocess) into .device/trl/ (git-ignored), which
 # .device/install.sh installs with the other bundles. Run after ../shared/device/stage.sh (which empties .device/):
 #     ../shared/device/stage.sh ds && bash benchmarks/stage_trl.sh

@@ -1,7 +1,9 @@
-"""Fine-tune a model: `deepspeed scripts/finetune.py --task sft|dpo --load ckpt/ --data-path data/chat [flags]`.
+"""Fine-tune a model: `deepspeed scripts/finetune.py --task sft|dpo --load ckpt/ --data-path data/chat [flags]`,
+or learn from rewards: `deepspeed scripts/finetune.py --task grpo --load ckpt/ --data-path prompts.jsonl --reward-funcs accuracy`.
 
 ckpt/ is what convert_from_hf.py writes (or any hybridlm checkpoint): its model and tokenizer
-settings come with it. Data comes from preprocess_chat.py. Every pretrain.py flag works here.
+settings come with it. SFT and DPO data comes from preprocess_chat.py; GRPO reads prompts from
+JSONL. Every pretrain.py flag works here.
 """
 import os
 import sys

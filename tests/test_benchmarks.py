@@ -198,3 +198,17 @@ def test_sft_records_carry_both_targets_ratios_and_a_failed_run_stays_a_failed_r
     assert sft["figures"]["hybridlm/TRL"] == "1.50x" and "SFT/pretraining" not in sft["figures"]
     assert records["hybridlm:pretraining"]["status"] == "failed" and "status" not in sft
     assert sft["command"] == "python benchmarks/sft_throughput.py --tiny"
+
+
+def test_grpo_records_carry_the_ratio_and_a_failed_run_stays_a_failed_record():
+    import argparse
+    from benchmarks import grpo_throughput
+    run = {"completions_per_sec": 6.0, "step_seconds": 10.7, "rollout_seconds": 8.0, "rest_seconds": 2.7,
+           "rollout_tokens_per_sec": 4000.0, "mean_length": 512, "peak_memory_gib": 20.0}
+    args = argparse.Namespace(tiny=False, num_generations=8, max_completion_length=512, global_batch_size=64, micro_batch_size=8,
+                              hybridlm_flags="")
+    records = grpo_throughput.records_of({"grpo": run, "trl": {**run, "completions_per_sec": 2.0, "trl": "1.16.0"}}, args, [])
+    assert records[0]["system"] == "hybridlm" and records[0]["figures"]["hybridlm/TRL"] == "3.00x"
+    assert records[1]["system"] == "trl" and "TRL 1.16.0 GRPOTrainer" in records[1]["label"]
+    failed = grpo_throughput.records_of({"grpo": run, "trl": {}}, args, [])
+    assert failed[1]["status"] == "failed" and "hybridlm/TRL" not in failed[0]["figures"]

@@ -87,7 +87,7 @@ REFUSALS = [
                  id="preference_data_for_sft"),
     pytest.param(["--task", "dpo", "--load", "CKPT", "--data-path", "PREF_DATA", "--seq-length", "8"], "longer than --seq-length 8",
                  id="dpo_prompt_longer_than_sequence"),
-    pytest.param(["--task", "pretrain", "--load", "CKPT"], "needs --task sft or --task dpo", id="finetune_without_task"),
+    pytest.param(["--task", "pretrain", "--load", "CKPT"], "needs --task sft, --task dpo or --task grpo", id="finetune_without_task"),
     pytest.param(["--task", "sft", "--load", "CKPT"], "--task sft needs --data-path", id="no_data"),
     pytest.param(["--task", "sft", "--load", "CKPT", "--data-path", "SFT_DATA", "--dpo-beta", "0.5"], "--dpo-beta needs --task dpo",
                  id="dpo_flag_for_sft"),

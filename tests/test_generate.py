@@ -135,6 +135,55 @@ def test_sampling_is_seeded_and_the_same_on_every_tp_rank(tmp_path):
     assert first["a"] == first["again"] and first["a"] != first["b"]
 
 
+PROMPTS = [[5, 77, 140], [9, 12, 250, 3, 299, 18, 64], [200, 41, 7, 7, 150]]  # unequal lengths: left padding
+
+
+def _batch_on_rank(checkpoint: str, seeds: tuple = ()) -> dict:
+    import torch.distributed as dist
+    from hybridlm.interop.generate import Sampling, load_for_generation
+    from hybridlm.parallel.state import ParallelState
+    from hybridlm.training.distributed import init_distributed
+    init_distributed(timeout_minutes=2)
+    generator, _, _ = load_for_generation(checkpoint, ParallelState(tp=dist.get_world_size()).tp, "cpu")
+    result = {"greedy": generator.generate_batch(PROMPTS, 12).tokens,
+              "alone": [generator.generate(p, 12) for p in PROMPTS]}
+    result["sampled"] = []
+    for seed in seeds:
+        sampled = generator.generate_batch(PROMPTS * 2, 10, Sampling(greedy=False, temperature=1.3, top_p=0.9, seed=seed),
+                                           stop_ids=(7, 18), pad_id=0)
+        result["sampled"].append((sampled.tokens, sampled.truncated))
+    return result
+
+
+def test_greedy_batch_of_unequal_prompts_under_tp2_equals_transformers_generate(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from hybridlm.interop.export import export_to_hf
+    checkpoint = _checkpoint(tmp_path)
+    export_to_hf(checkpoint, str(tmp_path / "export"), progress=False, log=lambda line: None)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), local_files_only=True).eval()
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[:, width:].tolist()
+    assert all(len(set(row)) > 3 for row in theirs), "a degenerate continuation would not test much"
+    first, second = run_ranks(2, _batch_on_rank, checkpoint)
+    assert first == second
+    assert first["greedy"] == theirs
+    assert first["alone"] == theirs  # each row decodes as it would alone
+
+
+def test_seeded_batch_sampling_repeats_exactly_and_stops_each_row_at_its_stop_token(tmp_path):
+    first, second = run_ranks(2, _batch_on_rank, _checkpoint(tmp_path), (1, 1, 2))
+    assert first == second  # every TP rank sampled the same tokens
+    (tokens, truncated), again, (other, _) = first["sampled"]
+    assert (tokens, truncated) == again and tokens != other
+    for row, cut in zip(tokens, truncated):
+        stops = [i for i, t in enumerate(row) if t in (7, 18)]
+        assert stops == ([] if cut else [len(row) - 1]) and (len(row) == 10 if cut else len(row) <= 10)
+    assert not all(truncated) and any(truncated), "the stop tokens should end some rows and not others"
+
+
 @pytest.mark.parametrize("flags, world, message", [
     pytest.param(["--prompt-ids", "5 999"], "1", "token ids outside the vocabulary 0..299", id="id_outside_vocabulary"),
     pytest.param(["--prompt-ids", "5 6"], "3", "3 ranks (TP) do not divide the model's 4 attention heads", id="tp_not_dividing_heads"),

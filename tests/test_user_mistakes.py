@@ -222,7 +222,7 @@ def test_a_value_torch_would_refuse_is_one_sentence_before_any_process_group(tmp
 
 
 @pytest.mark.parametrize("flags, line", [
-    pytest.param(["--task", "rlhf"], "error: argument --task: invalid choice: 'rlhf' (choose from 'pretrain', 'sft', 'dpo')",
+    pytest.param(["--task", "rlhf"], "error: argument --task: invalid choice: 'rlhf' (choose from 'pretrain', 'sft', 'dpo', 'grpo')",
                  id="unknown_task"),
     pytest.param(["--micro-batch-size", "two"], "error: argument --micro-batch-size: invalid int value: 'two'", id="not_a_number"),
     pytest.param(["--hidden-sise", "64"], "error: unrecognized arguments: --hidden-sise 64 (did you mean --hidden-size?)",

@@ -208,18 +208,18 @@ class RunConfig:
             raise ConfigError("--packing cannot be combined with --cuda-graphs: a captured layer takes the activations alone, "
                               "not the position ids that keep packed samples apart.")
         defaults = PostTrainConfig()
-        dpo_only = [n for n in ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "reference", "ref_load", "rpo_alpha")
-                    if getattr(f, n) != getattr(defaults, n)]
-        if f.task != "dpo" and dpo_only:
-            raise ConfigError(f"--{dpo_only[0].replace('_', '-')} needs --task dpo (this run is --task {f.task}).")
+        for task, names in (("dpo", DPO_SETTINGS), ("grpo", GRPO_SETTINGS)):
+            given = [n for n in names if getattr(f, n) != getattr(defaults, n)]
+            if f.task != task and given:
+                raise ConfigError(f"--{given[0].replace('_', '-')} needs --task {task} (this run is --task {f.task}).")
         if f.task == "pretrain":
             return
+        source = "a JSONL file of prompts" if f.task == "grpo" else "a prefix written by scripts/preprocess_chat.py"
         if d.data_path is None:
-            raise ConfigError(f"--task {f.task} needs --data-path: a prefix written by scripts/preprocess_chat.py.")
+            raise ConfigError(f"--task {f.task} needs --data-path: {source}.")
         words = [w for item in d.data_path for w in str(item).split()]
         if len(words) != 1:
-            raise ConfigError(f"--task {f.task} takes one --data-path prefix (got {' '.join(words)}); preprocess the "
-                              "conversations together with scripts/preprocess_chat.py.")
+            raise ConfigError(f"--task {f.task} takes one --data-path, {source} (got {' '.join(words)}).")
         if t.eval_interval:
             raise ConfigError(f"--eval-interval cannot be combined with --task {f.task} yet: fine-tuning runs have no "
                               "validation split; leave it out.")
@@ -236,6 +236,51 @@ class RunConfig:
                 raise ConfigError("--ref-load cannot be combined with --reference none: a reference-free run reads no reference model.")
             if not t.load:
                 raise ConfigError("--task dpo needs --load: the policy starts from a checkpoint (and the reference defaults to it).")
+        if f.task == "grpo":
+            self._check_grpo()
+
+    def _check_grpo(self) -> None:
+        """GRPO's settings, its batch (counted in completions) and the layouts its rollouts run on."""
+        f, t, p, m = self.posttrain, self.train, self.parallel, self.model
+        refuse_first("--task grpo", (
+            (p.pipeline_model_parallel_size > 1, f"--pipeline-model-parallel-size {p.pipeline_model_parallel_size}: rollouts "
+             "decode one token at a time through every layer, which the pipeline schedule does not run; fit the model with "
+             "--tensor-model-parallel-size and ZeRO-3 (or --lora-rank) instead"),
+            (m.num_experts is not None, "--num-experts yet: the rollout decoder has not been checked with routed experts; use a dense model"),
+            (m.cuda_graphs, "--cuda-graphs: rollout rows change length every step, and a captured layer has one shape; drop --cuda-graphs"),
+            (m.fp8_format is not None, f"--fp8-format {m.fp8_format}: rollouts decode a token per row at a time, shapes FP8 GEMMs "
+             "do not take (multiples of 16); train GRPO in bf16"),
+        ))
+        if not t.load:
+            raise ConfigError("--task grpo needs --load: the policy starts from a checkpoint (and the reference is its weights).")
+        if not f.reward_funcs:
+            raise ConfigError("--task grpo needs --reward-funcs: accuracy, format, or path/to/file.py:name (see the README).")
+        if f.reward_weights is not None:
+            try:
+                f.reward_weights = [float(w) for w in f.reward_weights]
+            except (TypeError, ValueError):
+                raise ConfigError(f"--reward-weights takes numbers, got {' '.join(map(str, f.reward_weights))}.") from None
+            if len(f.reward_weights) != len(f.reward_funcs):
+                raise ConfigError(f"--reward-weights gives {len(f.reward_weights)} weights for {len(f.reward_funcs)} "
+                                  "--reward-funcs; give one per function.")
+        for flag, bad, need in (("--num-generations", f.num_generations < 2, "at least 2 (advantages compare a prompt's completions)"),
+                                ("--max-completion-length", f.max_completion_length < 1, "positive"),
+                                ("--temperature", not f.temperature > 0, "positive"),
+                                ("--top-p", not 0 < f.top_p <= 1, "in (0, 1]"), ("--top-k", f.top_k < 0, "non-negative"),
+                                ("--beta", not f.beta >= 0, "non-negative"), ("--epsilon", not 0 <= f.epsilon < 1, "in [0, 1)"),
+                                ("--epsilon-high", f.epsilon_high is not None and not f.epsilon_high >= 0, "non-negative"),
+                                ("--num-iterations", f.num_iterations < 1, "at least 1")):
+            if bad:
+                value = getattr(f, flag[2:].replace("-", "_"))
+                raise ConfigError(f"{flag} must be {need}, got {value}.")
+        if f.max_completion_length >= m.seq_length:
+            raise ConfigError(f"--max-completion-length {f.max_completion_length} leaves no room for a prompt in --seq-length "
+                              f"{m.seq_length} (a row holds the prompt and its completion).")
+        per_replica, g = t.global_batch_size // p.data_parallel_size, f.num_generations
+        if per_replica % g:
+            raise ConfigError(f"--global-batch-size {t.global_batch_size} counts completions, and each of the {p.data_parallel_size} "
+                              f"data-parallel replicas samples all {g} (--num-generations) of its prompts: it must be a multiple "
+                              f"of {g} x {p.data_parallel_size}.")
 
     def _check_context_parallel(self, tp: int, cp: int) -> None:
         """What CP needs of the sequence and the heads, and what it has not been made to work with."""
@@ -321,6 +366,11 @@ class RunConfig:
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name, _ in SECTIONS}
 
+
+DPO_SETTINGS = ("dpo_beta", "dpo_loss", "dpo_label_smoothing", "reference", "ref_load", "rpo_alpha")
+GRPO_SETTINGS = ("num_generations", "max_completion_length", "temperature", "top_p", "top_k", "beta", "epsilon", "epsilon_high",
+                 "num_iterations", "loss_type", "scale_rewards", "mask_truncated_completions", "reward_funcs", "reward_weights",
+                 "format_pattern")
 
 SECTIONS = (("model", ModelConfig), ("parallel", ParallelConfig), ("train", TrainConfig), ("data", DataConfig),
             ("posttrain", PostTrainConfig))

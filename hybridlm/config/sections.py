@@ -134,8 +134,8 @@ class DataConfig:
 class PostTrainConfig:
     """Post-training (scripts/finetune.py): which objective, and its settings."""
 
-    task: str = flag("pretrain", "What the loop trains: next-token prediction on every token (pretrain), on the replies of chat data (sft), or preference pairs (dpo); data for sft and dpo comes from scripts/preprocess_chat.py.",
-                     choices=("pretrain", "sft", "dpo"))
+    task: str = flag("pretrain", "What the loop trains: next-token prediction on every token (pretrain), on the replies of chat data (sft), preference pairs (dpo), or rewards of its own completions (grpo); data for sft and dpo comes from scripts/preprocess_chat.py, for grpo from a JSONL file of prompts.",
+                     choices=("pretrain", "sft", "dpo", "grpo"))
     packing: bool = flag(False, "SFT: pack several conversations into each row, positions restarting per conversation and no attention across them (variable-length flash kernels on a GPU in half precision, else an SDPA block mask).")
     dpo_beta: float = flag(0.1, "DPO: beta, the strength of the pull towards the reference model.")
     dpo_loss: str = flag("sigmoid", "DPO: the pair loss (formulas in the README): sigmoid (with --dpo-label-smoothing), ipo or hinge.",
@@ -145,3 +145,21 @@ class PostTrainConfig:
                           choices=("precompute", "none"))
     ref_load: Optional[str] = flag(None, "DPO: checkpoint of the reference model (default: --load, the starting point).")
     rpo_alpha: Optional[float] = flag(None, "DPO: add this times the chosen replies' mean next-token loss (RPO; default: none).")
+    # GRPO: named and defaulted as TRL 1.16.0's GRPOConfig (hybridlm.training.grpo says what follows TRL and what differs)
+    num_generations: int = flag(8, "GRPO: completions sampled per prompt (G). --micro-batch-size and --global-batch-size count completions; each data-parallel replica samples all G of its prompts, so --global-batch-size / DP must be a multiple of G.")
+    max_completion_length: int = flag(512, "GRPO: the most tokens a completion may have; one that reaches it without an end-of-turn or end-of-text token is truncated.")
+    temperature: float = flag(1.0, "GRPO: sampling temperature of the rollouts; the loss's log-probabilities are of the logits divided by it, as TRL's.")
+    top_p: float = flag(1.0, "GRPO: sample from the most likely tokens up to this probability (1: all).")
+    top_k: int = flag(0, "GRPO: sample from the k most likely tokens (0: all).")
+    beta: float = flag(0.0, "GRPO: weight of the KL penalty to the reference model (the starting weights; with LoRA the base, adapters off); 0 computes no reference.")
+    epsilon: float = flag(0.2, "GRPO: the ratio is clipped to [1 - epsilon, 1 + --epsilon-high].")
+    epsilon_high: Optional[float] = flag(None, "GRPO: upper clip of the ratio, 1 + this (DAPO's asymmetric clip; default: --epsilon).")
+    num_iterations: int = flag(1, "GRPO: optimizer steps on each batch of rollouts (mu); above 1 the log-probabilities at sampling time are kept for the ratio.")
+    loss_type: str = flag("dapo", "GRPO: how token terms are averaged (TRL's names): grpo (per completion, then over completions), bnpo (over the tokens of each micro-batch), dr_grpo (sum / (completions x --max-completion-length)), dapo (over the tokens of the global batch).",
+                          choices=("grpo", "bnpo", "dr_grpo", "dapo"))
+    scale_rewards: str = flag("group", "GRPO: advantages are rewards minus their group's mean, divided by the group's standard deviation (group), the global batch's (batch), or not divided (none).",
+                              choices=("group", "batch", "none"))
+    mask_truncated_completions: bool = flag(False, "GRPO: leave truncated completions (no stop token within --max-completion-length) out of the loss.")
+    reward_funcs: Optional[list] = flag(None, "GRPO: reward functions: accuracy (the answer against the data's solution column, math-verify), format (--format-pattern), or user functions path/to/file.py:name or module:name.", nargs="+")
+    reward_weights: Optional[list] = flag(None, "GRPO: one weight per --reward-funcs entry (default: 1 each); the reward is their weighted sum.", nargs="+")
+    format_pattern: str = flag(r"^<think>(?!.*<think>)(.*?)</think>.*$", "GRPO: the regular expression the format reward matches from the completion's start (dot matches newlines).")

@@ -15,6 +15,12 @@ Preference (a pair per line; chosen and rejected become two conversations sharin
   ``chosen`` and ``rejected`` are the prompt (TRL's implicit prompt);
 * ``{"messages": [..., final assistant reply], "rejected_response": "..."}`` (ms-swift).
 
+Prompts (GRPO; a prompt per line, the reply is sampled in training):
+
+* ``{"prompt": "text"}`` (plain text, no chat template), ``{"prompt": [messages]}`` or
+  ``{"messages": [messages]}`` (TRL's conversational form), ending before the reply: never with an
+  assistant turn.
+
 Only the reply turns of a pair are trained. Every problem is a ``LineError`` with a reason the
 caller prefixes with ``file:line``.
 """
@@ -161,3 +167,19 @@ def read_pair(obj: dict) -> Pair:
         messages = prompt + reply
         return Conversation(_strip(messages), _trained(messages, "all", first=len(prompt)), tools)
     return Pair(conversation(chosen), conversation(rejected))
+
+
+def read_prompt(obj: dict) -> tuple[str, object, Optional[list]]:
+    """A prompt line -> (its key, the prompt as given with messages checked, its messages or None for plain text)."""
+    key = "messages" if "messages" in obj else "prompt" if "prompt" in obj else None
+    if key is None:
+        raise LineError("no 'prompt' (text or messages) and no 'messages'")
+    raw = obj[key]
+    if key == "prompt" and isinstance(raw, str):
+        if not raw:
+            raise LineError("'prompt' is empty")
+        return key, raw, None
+    messages = _strip(_messages(raw, key))
+    if messages[-1]["role"] == "assistant":
+        raise LineError(f"'{key}' ends with an assistant reply; a prompt ends where the reply to be sampled begins")
+    return key, messages, messages

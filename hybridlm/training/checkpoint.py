@@ -123,14 +123,22 @@ def check_load(load_dir: str | None, step: int | None, cfg) -> None:
     check_loadable(os.path.join(load_dir, tag), cfg)
 
 
+def task_state_file(tag_dir: str, rank: int) -> str:
+    """Where a task keeps what only this rank holds (GRPO: its rollout stream and unfinished rollout batch)."""
+    return os.path.join(tag_dir, f"task_state_rank{rank}.pt")
+
+
 def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None, cfg=None, ps=None,
-         text_files: dict | None = None) -> None:
+         text_files: dict | None = None, rank_state: dict | None = None) -> None:
     """With ``cfg`` and ``ps`` the tag also gets its layout and settings (read by reshape and the
     converters) and every EP rank's experts (DeepSpeed's files hold EP rank 0's only).
-    ``text_files`` {name: text}: more files for the tag (the chat template a fine-tuning run used)."""
+    ``text_files`` {name: text}: more files for the tag (the chat template a fine-tuning run used);
+    ``rank_state``: the task's state of this rank (``task_state_file``), saved before the tag is complete."""
     tag = tag_for(iteration)
     engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False)
     _atomic_torch_save(rng_state(), _rng_file(directory, tag, dist.get_rank()))
+    if rank_state is not None:
+        _atomic_torch_save(rank_state, task_state_file(os.path.join(directory, tag), dist.get_rank()))
     if cfg is not None:
         save_expert_weights(engine.module, os.path.join(directory, tag), Layout.of_run(cfg), ps)
         if dist.get_rank() == 0:

@@ -1,4 +1,4 @@
-"""``scripts/finetune.py``: the training loop with ``--task sft`` or ``--task dpo``, the model read from
+"""``scripts/finetune.py``: the training loop with ``--task sft``, ``dpo`` or ``grpo``, the model read from
 the checkpoint it starts from.
 
 ``--load ckpt/`` (what ``convert_from_hf.py`` writes, or any hybridlm checkpoint) already says
@@ -38,7 +38,7 @@ def parse_finetune_args(argv: Optional[list[str]] = None) -> RunConfig:
     argv = sys.argv[1:] if argv is None else argv
     cfg = parse_args(argv)
     if cfg.posttrain.task == "pretrain":
-        raise ConfigError("scripts/finetune.py needs --task sft or --task dpo (scripts/pretrain.py pretrains).")
+        raise ConfigError("scripts/finetune.py needs --task sft, --task dpo or --task grpo (scripts/pretrain.py pretrains).")
     load = cfg.train.load
     if not load:
         return cfg

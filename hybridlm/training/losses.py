@@ -1,4 +1,4 @@
-"""Fine-tuning losses on the model's vocab-split logits: masked next-token loss (SFT) and DPO.
+"""Fine-tuning losses on the model's vocab-split logits: masked next-token loss (SFT), DPO and GRPO.
 
 Both follow the loss contract of ``hybridlm.parallel.loss``: a micro-batch computes its loss sums
 and the task counts what they are normalised by (loss tokens; pairs and chosen reply tokens) before
@@ -26,6 +26,30 @@ fraction with rewards/chosen > rewards/rejected, rewards/margins = their mean di
 logps/chosen = pi_c, logps/rejected = pi_r (the same log-probabilities the loss uses). With
 ``--reference none`` every ref is 0. A micro-batch holds its pairs' chosen rows first, then their
 rejected rows.
+
+GRPO (the definitions of TRL 1.16.0's ``GRPOTrainer._compute_loss`` with token-level importance
+sampling, read in its source). For completion token t of completion i, with log-probability
+logp = log softmax(logits / temperature)[token], the log-probability when it was sampled old (the
+current one, detached, when each batch of rollouts is trained once: the ratio is then 1 and its
+gradient the policy gradient), the reference's ref, and advantage A_i:
+
+    r = exp(logp - old),   term = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i) + beta (exp(ref - logp) - (ref - logp) - 1)
+
+over the completion tokens (prompt, padding and, with --mask-truncated-completions, truncated
+completions excluded), aggregated as TRL aggregates each --loss-type. In TRL every micro-batch of
+B completions computes its loss, divides it by the accumulation steps and DDP averages the
+gradients over the P processes; dapo's normaliser is the generation batch's completion tokens
+(all processes, all accumulation steps: the global batch) over P. So over the global batch:
+
+    grpo     mean over completions of (sum of the completion's terms / its tokens)
+    bnpo     mean over micro-batches of (sum of the micro-batch's terms / its tokens)
+    dr_grpo  sum of all terms / (completions x --max-completion-length)
+    dapo     sum of all terms / all completion tokens
+
+Under the loss contract a micro-batch returns one sum, the terms times a per-completion weight,
+counted as ``grpo_weights`` says (per type: completions, 1 per micro-batch, completions x the
+maximum length, tokens), which gives exactly these. Weights and counts come from whole
+completions, so under CP every rank of a row uses the same ones (the counts are credited once).
 """
 from __future__ import annotations
 
@@ -141,5 +165,95 @@ class DPOLoss:
     def take_sums(self, device) -> torch.Tensor:
         """The metric sums (and pair count, last) since the last call; zeros where none were computed."""
         sums = self.sums if self.sums is not None else torch.zeros(len(DPO_METRICS) + 1, dtype=torch.float64, device=device)
+        self.sums = None
+        return sums
+
+
+GRPO_METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+def grpo_weights(loss_type: str, lengths, max_completion_length: int) -> tuple[list[float], float]:
+    """(a weight per completion, the count the micro-batch adds to the step's) for completions of
+    ``lengths`` trained tokens (0 for one masked out) forming one micro-batch: see the module docstring."""
+    tokens = float(sum(lengths))
+    if loss_type == "grpo":
+        return [1.0 / max(n, 1) for n in lengths], float(len(lengths))
+    if loss_type == "bnpo":
+        return [1.0 / max(tokens, 1.0)] * len(lengths), 1.0
+    if loss_type == "dr_grpo":
+        return [1.0] * len(lengths), float(len(lengths) * max_completion_length)
+    if loss_type == "dapo":
+        return [1.0] * len(lengths), tokens
+    raise ValueError(loss_type)
+
+
+class GRPOLoss:
+    """labels = (labels [b, s], old log-probs [b, s], reference log-probs [b, s], advantages [b, s],
+    completion weights [b, s], the step's scale [1]): one term, the weighted token terms.
+
+    ``on_policy``: the old log-probs are the current ones (the tensor passed is not read).
+    ``recording``: a log-prob pass (old or reference), which returns 0 and appends each micro-batch's
+    log-probs [b, s] (0 off the labels) to ``records``. Metric sums since ``take_sums``: ``sums``."""
+
+    def __init__(self, reducer: LossReducer, vocab_size: int | None, *, beta: float, epsilon: float, epsilon_high: float,
+                 temperature: float):
+        self.reducer, self.vocab_size = reducer, vocab_size
+        self.beta, self.low, self.high, self.temperature = beta, 1.0 - epsilon, 1.0 + epsilon_high, temperature
+        self.on_policy = True
+        self.recording = False
+        self.records: list = []
+        self.sums = None
+
+    def token_logps(self, logits, labels) -> torch.Tensor:
+        """Log-probabilities [s, b] of the labels under the logits divided by the temperature (0 off the labels)."""
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return -self.reducer.cross_entropy(logits, labels.t(), self.vocab_size)
+
+    def select_positions(self, hidden, labels):
+        """The positions with a label only (as ``MaskedLMLoss.select_positions``), every per-token
+        tensor cut the same way; the placement goes along for the recording pass to put them back."""
+        if self.reducer.sequence_parallel:
+            return hidden, labels
+        *tensors, scale = labels
+        rows, length = tensors[0].shape
+        flat = [x.t().reshape(-1) for x in tensors]  # position-major, as the hidden states [s, b, h]
+        keep = (flat[0] != IGNORE_INDEX).nonzero().squeeze(1)
+        if keep.numel() == 0:
+            keep = keep.new_zeros(1)
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep).unsqueeze(1)
+        return selected, (*(x.index_select(0, keep).unsqueeze(0) for x in flat), scale, (keep, rows, length))
+
+    def __call__(self, logits, labels):
+        labels, old, ref, advantages, weights, scale, *placement = labels
+        logp = self.token_logps(logits, labels)
+        if self.recording:
+            values = logp.detach().float()
+            if placement:
+                keep, rows, length = placement[0]
+                values = values.new_zeros(length * rows).index_copy_(0, keep, values.reshape(-1)).view(length, rows)
+            self.records.append(values.t())
+            return logits.new_zeros((), dtype=torch.float32)
+        mask = labels.t() != IGNORE_INDEX
+        old, ref, advantages, weights = (x.t() for x in (old, ref, advantages, weights))
+        old = logp.detach() if self.on_policy else old
+        ratio = torch.exp(logp - old)
+        term = -torch.min(ratio * advantages, ratio.clamp(self.low, self.high) * advantages)
+        if self.beta:
+            delta = ref - logp
+            kl = torch.exp(delta) - delta - 1
+            term = term + self.beta * kl
+        loss = scaled_loss(torch.where(mask, term * weights, 0.0).sum().reshape(1), scale)
+        with torch.no_grad():
+            low = (ratio < self.low) & (advantages < 0) & mask
+            high = (ratio > self.high) & (advantages > 0) & mask
+            sums = torch.stack([torch.where(mask, kl, 0.0).sum() if self.beta else ratio.new_zeros(()),
+                                low.sum(), high.sum(), (low | high).sum(), mask.sum()]).double()
+            self.sums = sums if self.sums is None else self.sums + sums
+        return loss
+
+    def take_sums(self, device) -> torch.Tensor:
+        """The metric sums (and token count, last) since the last call; zeros where none were computed."""
+        sums = self.sums if self.sums is not None else torch.zeros(len(GRPO_METRICS) + 1, dtype=torch.float64, device=device)
         self.sums = None
         return sums

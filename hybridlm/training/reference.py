@@ -85,7 +85,7 @@ def reference_logps(run, task) -> np.ndarray:
         return np.load(path)
     lora = bool(cfg.model.lora_rank)
     if not lora:
-        _load_weights(run, tag_dir)
+        load_weights(run, tag_dir)
     start = time.perf_counter()
     with adapters_disabled(run.engine.module) if lora else contextlib.nullcontext():
         values = _forward_all(run, task)
@@ -100,7 +100,7 @@ def reference_logps(run, task) -> np.ndarray:
     return values
 
 
-def _load_weights(run, tag_dir: str) -> None:
+def load_weights(run, tag_dir: str) -> None:
     """The reference weights into the engine (its optimizer state is not touched; --load follows)."""
     from ..interop.reshape import load_resharded
     weights_only = dataclasses.replace(run.cfg, train=dataclasses.replace(run.cfg.train, finetune=True))

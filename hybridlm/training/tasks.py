@@ -6,6 +6,9 @@ ends in, the step's micro-batches ("batch -> loss") and the values it adds to th
               by the global batch's loss tokens; rows packed with ``--packing``
     dpo       a preference loss on ``preprocess_chat`` pairs against reference log-probabilities
               computed once before training (``hybridlm.training.reference``)
+    grpo      a policy-gradient loss on the policy's own completions of JSONL prompts, sampled on the
+              live weights every --num-iterations steps and scored by reward functions
+              (``hybridlm.training.grpo``, ``rollout``, ``rewards``)
 
 Every task follows the loss contract of ``hybridlm.parallel.loss``: its loss returns sums, and
 its ``step_batches`` counts what they are normalised by (every token; loss tokens; pairs and chosen
@@ -18,23 +21,35 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError, RunConfig
 from ..data.builtin import builtin_prefix
 from ..data.chat_dataset import ChatData, DPOPairs, SFTRows, check_tokenizer
-from ..data.chat_template import TEMPLATE_FILE
+from ..data.chat_template import TEMPLATE_FILE, load_template
 from ..data.gpt_dataset import build_gpt_datasets, parse_data_path
 from ..data.indexed import IndexedDataset
 from ..data.mock import MockDocuments
+from ..data.prompts import PromptSet, stop_tokens
 from ..data.tokenizers import build_tokenizer, flags_text
+from ..interop.layout import Layout, read_info
+from ..model.generation import Sampling
 from ..model.gpt import LMLoss
 from ..parallel.loss import global_counts, loss_scales
 from ..parallel.tensor_parallel import IGNORE_INDEX
-from .losses import DPO_METRICS, DPOLoss, MaskedLMLoss
+from .checkpoint import tag_to_load, task_state_file
+from .distributed import device
+from .grpo import (RolloutBatch, RolloutRows, RolloutStats, advantages_of, build_micro_batches, metric_values, moved,
+                   record_logps, reward_inputs, shared_rewards, synchronize, with_logps)
+from .losses import DPO_METRICS, DPOLoss, GRPOLoss, MaskedLMLoss
+from .reference import load_weights
+from .rewards import load_reward_functions, score
+from .rollout import FrozenWeights, Sampler, reference_context
 
 
 class PretrainTask:
@@ -118,6 +133,10 @@ class PretrainTask:
     def checkpoint_files(self) -> dict:
         """{name: text} saved in each checkpoint beside the weights."""
         return {}
+
+    def rank_state(self) -> dict | None:
+        """What only this rank holds that a resume needs (``checkpoint.task_state_file``), or None."""
+        return None
 
 
 class ChatTask(PretrainTask):
@@ -267,7 +286,189 @@ class DPOTask(ChatTask):
                 f"reference {'none' if f.reference == 'none' else self.reference_tag}")
 
 
-TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask}
+class GRPOTask(PretrainTask):
+    """The policy's own completions, rewarded: a rollout batch (``grpo.RolloutBatch``) is sampled every
+    --num-iterations steps and trained on by the one step loop, as every task's batches are."""
+    name = "grpo"
+
+    def __init__(self, cfg: RunConfig):
+        super().__init__(cfg)
+        self.prompts = self.tokenizer = self.template = self.rewards = None
+        self.stops: tuple = ()
+        self.grpo_loss = self.sampler = self.batch = self.stats = None
+        self.frozen = None  # the starting weights (--beta > 0 without LoRA)
+        self.reference_tag = None  # the checkpoint folder they are
+
+    def _setup(self) -> None:
+        """Tokenizer, chat template, reward functions and prompts: files only, before any process group."""
+        if self.prompts is not None:
+            return
+        d, f, m = self.cfg.data, self.cfg.posttrain, self.cfg.model
+        self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+        self.template = self._template()
+        self.rewards = load_reward_functions(f.reward_funcs, f.format_pattern)
+        room = m.seq_length - f.max_completion_length
+        self.prompts = PromptSet(str(d.data_path[0]).split()[0], self.tokenizer, self.template, seed=self.cfg.train.seed,
+                                 max_tokens=room, required_columns={"solution": "accuracy"} if "accuracy" in f.reward_funcs else {},
+                                 limit_reason=f"--seq-length {m.seq_length} leaves beside --max-completion-length {f.max_completion_length}")
+        self.stops = stop_tokens(self.tokenizer, self.template)
+
+    def _template(self):
+        """The chat template the --load checkpoint was fine-tuned with, else its tokenizer's (None: none)."""
+        t, d = self.cfg.train, self.cfg.data
+        tag = tag_to_load(t.load, t.ckpt_step)
+        saved = os.path.join(t.load, tag, TEMPLATE_FILE) if tag else None
+        tokenizer_dir = d.tokenizer_model or ""
+        if saved and os.path.isfile(saved):
+            return load_template(tokenizer_dir, saved)
+        if d.tokenizer_type == "HuggingFaceTokenizer" and os.path.isdir(tokenizer_dir):
+            try:
+                return load_template(tokenizer_dir)
+            except ConfigError:
+                return None  # plain-text prompts need none; a conversational one says so, naming its line
+        return None
+
+    def check(self) -> None:
+        self._setup()
+
+    def loss(self, reducer):
+        f = self.cfg.posttrain
+        self.grpo_loss = GRPOLoss(reducer, self.cfg.model.vocab_size, beta=f.beta, epsilon=f.epsilon,
+                                  epsilon_high=f.epsilon if f.epsilon_high is None else f.epsilon_high, temperature=f.temperature)
+        return self.grpo_loss
+
+    def datasets(self) -> tuple:
+        self._setup()
+        return self.prompts, None
+
+    def prepare(self, run) -> None:
+        """A resumed GRPO run's reference is the checkpoint it started from (recorded in its checkpoints):
+        loaded and frozen here, before --load brings the policy."""
+        recorded = self._recorded_reference()
+        if recorded and self._needs_frozen_copy():
+            load_weights(run, recorded)
+            self._freeze(run, recorded)
+
+    def loaded(self, run) -> None:
+        f = self.cfg.posttrain
+        if self._needs_frozen_copy() and self.frozen is None:  # a fresh start: the reference is what --load loaded
+            self._freeze(run, self._load_tag_dir())
+        self.sampler = Sampler(run, Sampling(greedy=False, temperature=f.temperature, top_k=f.top_k, top_p=f.top_p,
+                                             seed=self.cfg.train.seed), f.max_completion_length, self.stops, self.tokenizer.pad)
+        self.stats = RolloutStats([r.name for r in self.rewards])
+        self._restore_rank_state(run)
+
+    def _needs_frozen_copy(self) -> bool:
+        return self.cfg.posttrain.beta > 0 and not self.cfg.model.lora_rank
+
+    def _load_tag_dir(self) -> str:
+        t = self.cfg.train
+        return os.path.abspath(os.path.join(t.load, tag_to_load(t.load, t.ckpt_step)))
+
+    def _recorded_reference(self) -> str | None:
+        path = os.path.join(self._load_tag_dir(), GRPO_REFERENCE_FILE)
+        if not os.path.isfile(path):
+            return None
+        with open(path) as f:
+            return json.load(f)["reference"]
+
+    def _freeze(self, run, tag_dir: str) -> None:
+        self.frozen, self.reference_tag = FrozenWeights(run.engine), tag_dir
+
+    def _restore_rank_state(self, run) -> None:
+        """The rollout stream and unfinished rollout batch of a resumed run, at the layout they were saved at."""
+        tag_dir = self._load_tag_dir()
+        path = task_state_file(tag_dir, dist.get_rank())
+        if self.cfg.train.finetune or not os.path.isfile(path):
+            return
+        if read_info(tag_dir, "--load").layout != Layout.of_run(self.cfg):
+            if dist.get_rank() == 0:
+                print(f"grpo: {tag_dir} was saved at another layout: its rollout streams and any unfinished rollout batch "
+                      "are not carried over; sampling restarts from --seed at the next step.", flush=True)
+            return
+        state = torch.load(path, weights_only=False)
+        self.sampler.load_state(state["stream"])
+        self.batch = moved(state["batch"], device())
+
+    def rank_state(self) -> dict | None:
+        return {"stream": self.sampler.state(), "batch": moved(self.batch, "cpu")}
+
+    def checkpoint_files(self) -> dict:
+        files = {TEMPLATE_FILE: self.template.text} if self.template is not None else {}
+        if self.reference_tag:
+            files[GRPO_REFERENCE_FILE] = json.dumps({"reference": self.reference_tag}) + "\n"
+        return files
+
+    def step_batches(self, run, batches: Iterator) -> Iterator:
+        """This step's micro-batches: those of the current rollout batch, sampled anew every --num-iterations steps."""
+        if self.batch is None or run.iteration >= self.batch.first_iteration + self.cfg.posttrain.num_iterations:
+            self.batch = self._rollout(run)
+        if self.batch.scales is None:
+            _, self.batch.scales = self.step_counts(run, [self.batch.counts])
+        self.grpo_loss.on_policy = self.batch.on_policy
+        self.stats.steps += 1
+        self.stats.trained_tokens += self.batch.trained_tokens
+        return iter([(inputs, (*labels, self.batch.scales)) for inputs, labels in self.batch.micro_batches])
+
+    def _rollout(self, run) -> RolloutBatch:
+        f, t, ps = self.cfg.posttrain, self.cfg.train, run.ps
+        g = f.num_generations
+        start = synchronize()
+        per_step = t.global_batch_size // g
+        per_replica = per_step // ps.dp.size
+        first = (run.iteration // f.num_iterations) * per_step + ps.dp.rank * per_replica
+        prompts = [self.prompts.prompt(first + j) for j in range(per_replica) for _ in range(g)]
+        completions = self.sampler.sample(run, [p.ids for p in prompts])
+        rewards = shared_rewards(run, lambda: score(self.rewards, **reward_inputs(self.tokenizer, self.stops, self.prompts,
+                                                                                   prompts, completions)), len(self.rewards))
+        weights = np.asarray(f.reward_weights or [1.0] * len(self.rewards), dtype=np.float64)
+        advantages, weighted = advantages_of(rewards, weights, g, f.scale_rewards, ps.dp)
+        self.stats.add(completions, rewards, weighted)
+        self.stats.rollout_seconds += synchronize() - start
+        return self.use_rollout(run, RolloutRows([list(p.ids) for p in prompts], completions.tokens, completions.truncated,
+                                                 advantages.tolist()))
+
+    def use_rollout(self, run, rows: RolloutRows) -> RolloutBatch:
+        """The rollout batch of ``rows`` (this replica's), with the old log-probs (--num-iterations > 1) and
+        the reference's (--beta > 0) computed here unless ``rows`` gives them."""
+        f = self.cfg.posttrain
+        batch = build_micro_batches(run, rows, pad_id=self.tokenizer.pad, first_iteration=run.iteration)
+        start = synchronize()
+        if rows.old is None and f.num_iterations > 1:
+            batch = with_logps(batch, old=record_logps(run, batch, self.grpo_loss))
+            batch.on_policy = False
+        if f.beta and rows.reference is None:
+            with reference_context(run.engine, self.frozen):
+                batch = with_logps(batch, reference=record_logps(run, batch, self.grpo_loss))
+        self.stats.logprob_seconds += synchronize() - start
+        return batch
+
+    def log_values(self, run, seconds: float) -> dict:
+        values = metric_values(self.stats, self.grpo_loss.take_sums(device()), run, seconds, self.cfg.posttrain.beta)
+        self.stats = RolloutStats(self.stats.names)
+        return values
+
+    def describe(self) -> str:
+        f = self.cfg.posttrain
+        weights = f.reward_weights or [1.0] * len(self.rewards)
+        rewards = " + ".join(f"{w:g} x {r.name}" for w, r in zip(weights, self.rewards))
+        clip = f"[{1 - f.epsilon:g}, {1 + (f.epsilon if f.epsilon_high is None else f.epsilon_high):g}]"
+        if not f.beta:
+            reference = "no reference (--beta 0)"
+        elif self.frozen is None:
+            reference = "reference: the base with its adapters off"
+        else:
+            reference = (f"reference: a frozen copy of {self.reference_tag}'s weights, "
+                         f"{self.frozen.bytes / 2**30:.2f} GiB on this rank")
+        return (f"grpo on {len(self.prompts):,} prompts, {f.num_generations} completions each of up to "
+                f"{f.max_completion_length} tokens (temperature {f.temperature:g}), reward {rewards}, advantages scaled by "
+                f"{f.scale_rewards}, {f.loss_type} loss, ratio clipped to {clip}, {f.num_iterations} step(s) per rollout, "
+                f"beta {f.beta:g}, {reference}")
+
+
+GRPO_REFERENCE_FILE = "grpo_reference.json"  # in each GRPO checkpoint (with a frozen reference): which weights it holds
+
+TASKS = {"pretrain": PretrainTask, "sft": SFTTask, "dpo": DPOTask, "grpo": GRPOTask}
 
 
 def build_task(cfg: RunConfig) -> PretrainTask:

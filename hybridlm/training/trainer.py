@@ -330,7 +330,8 @@ def save_checkpoint(run: Run) -> None:
     t = run.cfg.train
     checkpoint.save(run.engine, t.save, iteration=run.iteration, keep_last=t.keep_last_n_checkpoints,
                     client_state={"consumed_samples": run.iteration * t.global_batch_size,
-                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps, text_files=run.task.checkpoint_files())
+                                  "wandb_run_id": run.wandb_run_id}, cfg=run.cfg, ps=run.ps, text_files=run.task.checkpoint_files(),
+                    rank_state=run.task.rank_state())
 
 
 def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
