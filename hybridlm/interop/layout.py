@@ -92,6 +92,7 @@ class CheckpointInfo:
         if cfg.vocab_size is None:
             raise ConfigError(f"{os.path.join(self.tag_dir, CONFIG_FILE)} has no vocab-size; it was not written by a training run.")
         cfg.padded_vocab_size = cfg.pad_vocab(tp or self.layout.tp)
+        cfg.params_dtype = "bf16" if self.layout.bf16 else "fp16" if self.layout.fp16 else "fp32"
         return cfg
 
 
@@ -219,7 +220,8 @@ def parameter_table(cfg: ModelConfig, tp: int, ep: int = 1) -> dict[str, ParamIn
     from ..parallel.plan import LayerFactory, ModelGroups
     from ..parallel.state import GroupHandle
 
-    portable = dataclasses.replace(cfg, **{k: v for k, v in PORTABLE_KERNELS.items() if hasattr(cfg, k)})
+    # a 4-bit base (QLoRA) holds the same weights, under the same names, as the dense model it was quantized from
+    portable = dataclasses.replace(cfg, **{k: v for k, v in PORTABLE_KERNELS.items() if hasattr(cfg, k)}, quant_bits=None)
     model = build_model(portable, LayerFactory(ModelGroups(tp=GroupHandle(None, 0, tp), ep=GroupHandle(None, 0, ep)), device="meta"))
     table = {}
     for name, param in model.named_parameters():
