@@ -30,13 +30,14 @@ CP2 = ["--context-parallel-size", "2"] + ds_config("zero1")
 MODELS = {"qwen2": "chatml", "llama": "llama3"}  # HF family -> the chat template its tokenizer carries
 
 
-def hf_model_dir(directory, family: str, seed: int = 0) -> str:
+def hf_model_dir(directory, family: str, seed: int = 0, **shape) -> str:
     """A tiny random HF model (Qwen2: tied embeddings, query/key/value biases; Llama: untied) with
-    grouped-query attention and a chat tokenizer, saved offline as from_pretrained reads it."""
+    grouped-query attention and a chat tokenizer, saved offline as from_pretrained reads it; ``shape``
+    overrides the config's sizes."""
     import transformers
     tokenizer_dir(MODELS[family], directory)
-    common = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2 * SEQ)
+    common = {**dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=2 * SEQ), **shape}
     config = (transformers.Qwen2Config(**common, tie_word_embeddings=True) if family == "qwen2"
               else transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=50000.0))
     torch.manual_seed(seed)

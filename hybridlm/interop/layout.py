@@ -13,6 +13,7 @@ shape and how TP and EP split it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -77,6 +78,7 @@ class CheckpointInfo:
     optimizer_state: bool  # False: weights only (an import, or a folder written without an optimizer)
     expert_files: bool  # expert weights in experts_*.pt, one file per (stage, TP rank, EP rank)
     tokenizer_known: bool = True  # False: imported without tokenizer files, so the settings' tokenizer is a placeholder
+    quantized_base: Optional[dict] = None  # QLoRA: {"checkpoint": the base's folder, "fingerprint": its files'} (not stored here)
 
     def model_config(self, tp: Optional[int] = None) -> ModelConfig:
         """The saved model, its vocabulary padded for ``tp`` (default: the saved TP), with the
@@ -98,11 +100,33 @@ class CheckpointInfo:
 
 def write_info(tag_dir: str, cfg: RunConfig, iteration: int, *, optimizer_state: bool = True,
                expert_files: bool = False) -> None:
-    """Write config.yaml and hybridlm_checkpoint.json into ``tag_dir`` (each by rename: never half-written)."""
+    """Write config.yaml and hybridlm_checkpoint.json into ``tag_dir`` (each by rename: never half-written).
+    A QLoRA run's checkpoint names the checkpoint its 4-bit base was quantized from (``--load``'s)."""
     info = {"format_version": FORMAT_VERSION, "iteration": iteration, "layout": asdict(Layout.of_run(cfg)),
             "optimizer_state": optimizer_state, "expert_files": expert_files}
+    if cfg.train.base_checkpoint:
+        info["quantized_base"] = {"checkpoint": cfg.train.base_checkpoint, "fingerprint": fingerprint(cfg.train.base_checkpoint)}
     atomic_write_text(os.path.join(tag_dir, CONFIG_FILE), effective_yaml(cfg))
     atomic_write_text(os.path.join(tag_dir, INFO_FILE), json.dumps(info, indent=2) + "\n")
+
+
+def fingerprint(tag_dir: str, sample: int = 1 << 20) -> str:
+    """A cheap identity of a checkpoint folder's contents: each file's name, size, first and last MiB.
+    A QLoRA checkpoint records its base's, so that a resume or an export refuses a base that changed
+    (another model imported into the same path) instead of quantizing the wrong weights."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(tag_dir)):
+        path = os.path.join(tag_dir, name)
+        if not os.path.isfile(path):
+            continue
+        size = os.path.getsize(path)
+        digest.update(f"{name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(sample))
+            if size > sample:
+                f.seek(max(sample, size - sample))
+                digest.update(f.read(sample))
+    return digest.hexdigest()[:32]
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -141,7 +165,7 @@ def read_info(tag_dir: str, flag: str = "--checkpoint") -> CheckpointInfo:
             raise ConfigError(f"{flag} {tag_dir}: {INFO_FILE} is malformed ({e}).") from None
         settings = _settings(os.path.join(tag_dir, CONFIG_FILE), flag)
         return CheckpointInfo(tag_dir, layout, settings, int(raw["iteration"]), bool(raw["optimizer_state"]),
-                              bool(raw.get("expert_files", False)), bool(raw.get("tokenizer", True)))
+                              bool(raw.get("expert_files", False)), bool(raw.get("tokenizer", True)), raw.get("quantized_base"))
     return _read_legacy_info(tag_dir, flag)
 
 

@@ -80,6 +80,12 @@ def roundtrip(full: torch.Tensor, part_rows: Sequence[int], spec: QuantSpec) -> 
     return torch.cat([dequantize(*quantize(part, spec)) for part in torch.split(full, list(part_rows), dim=0)])
 
 
+def part_rows(sharding, shape) -> tuple[int, ...]:
+    """The rows of each weight a linear's full weight stacks, as Hugging Face holds them (q, k, v; gate,
+    up): a column-parallel weight's blocks; a row-parallel weight is one."""
+    return tuple(sharding.blocks) if sharding.dim == 0 else (shape[0],)
+
+
 def _plain_absmax(state) -> torch.Tensor:
     """A QuantState's per-block scales as fp32, the second level of double quantization undone as
     ``dequantize_4bit`` undoes it."""
@@ -99,14 +105,14 @@ class QuantizedWeight:
     requires_grad = False
 
     def __init__(self, dense: nn.Parameter, tp: GroupHandle, spec: QuantSpec):
-        self.shape, self.device, self.dtype = dense.shape, dense.device, spec.dtype
+        # dtype: what the dense weight was made in (the adapters beside it are made alike); its values are spec.dtype's
+        self.shape, self.device, self.dtype = dense.shape, dense.device, dense.dtype
         self.tp_sharding = dense.tp_sharding
         for key in ("init_std", "init_bound", "init_value"):
             setattr(self, key, getattr(dense, key, None))
         self.tp, self.spec = tp, spec
         self.column = self.tp_sharding.dim == 0
-        # the weights as Hugging Face holds them: a column-parallel weight's stacked blocks, a row-parallel one whole
-        self.part_rows = tuple(self.tp_sharding.blocks) if self.column else (self.shape[0],)
+        self.part_rows = part_rows(self.tp_sharding, self.shape)
         self.parts: list = []  # (packed 4-bit values, bitsandbytes QuantState) per part, this rank's slice
 
     @torch.no_grad()
@@ -146,7 +152,7 @@ class QuantizedWeight:
             return dequantize(*self.parts[0])
         if self.device.type != "cuda":  # bitsandbytes' CPU kernel has no out= variant
             return torch.cat([dequantize(packed, state) for packed, state in self.parts])
-        out = torch.empty(self.shape, device=self.device, dtype=self.dtype)
+        out = torch.empty(self.shape, device=self.device, dtype=self.spec.dtype)
         row = 0
         for packed, state in self.parts:  # each part straight into its rows: no concatenation copy
             dequantize(packed, state, out=out[row: row + state.shape[0]])

@@ -1,0 +1,170 @@
+"""QLoRA: LoRA adapters on a 4-bit base (bitsandbytes NF4, double quantization) compute what PEFT computes.
+
+The base is a tiny Llama imported from Hugging Face (hidden 128, so that every TP2 slice is whole
+64-weight blocks). A run fine-tunes it with SFT on packed rows, starting from random non-zero B so
+that the adapters already move the logits, and saves. Then, in fp32 on the CPU:
+
+- the 4-bit base holds the very bits transformers' BitsAndBytesConfig gives the same model, weight
+  for weight, and the run's logits equal PEFT's on that base with the run's adapters, loaded from the
+  adapter-only export (< 1e-4), while the same adapters on the dense base differ (the base matters);
+- the merged export (base dequantized + (alpha/R) B A) loads in transformers with the same logits;
+- at TP2 + SP and at PP2 two steps give a single process's losses and logits (every TP rank slices one
+  quantization of the full weight); quantizing each rank's shard on its own instead drifts;
+- a resumed run continues bit for bit, and its checkpoint holds the adapters and the name of its base.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from harness import run_ranks
+from oracle import ds_config
+
+pytest.importorskip("bitsandbytes", reason="QLoRA's base is bitsandbytes' (pip install 'hybridlm[qlora]')")
+
+QLORA = ["--lora-rank", "4", "--lora-alpha", "8", "--quant-bits", "4"]
+SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(Hugging Face model directory, its hybridlm import, SFT data prefix)."""
+    from finetune_runs import hf_model_dir, imported, sft_data
+    root = tmp_path_factory.mktemp("qlora_base")
+    hf = hf_model_dir(root / "hf", "llama", **SHAPE)
+    return hf, imported(hf, root / "ckpt"), sft_data(root / "sft", hf)
+
+
+def sft_flags(base, load: str, steps: int, save: str | None = None, layout: list[str] = ()) -> list[str]:
+    from finetune_runs import OPTIM, SEQ
+    return (["--task", "sft", "--load", load, "--data-path", base[2], "--seq-length", str(SEQ), "--packing",
+             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", str(steps)] + QLORA + OPTIM
+            + list(layout) + ds_config("zero1") + (["--save", save] if save else []))
+
+
+def qlora_run(flags: list[str], steps: int, save: bool = False, per_shard: bool = False) -> dict:
+    """In each rank: random B, ``steps`` SFT steps, (save); the losses, the layout's logits on ``_tokens()``,
+    the base's logits (adapters off), the live adapters, and this rank's dequantized 4-bit weights."""
+    import logging
+
+    from deepspeed.utils import logger
+
+    from hybridlm.parallel.lora import adapters_disabled, is_adapter_name
+    from hybridlm.parallel.quantized import quantized_weights
+    from hybridlm.training.finetune import parse_finetune_args
+    from hybridlm.training.trainer import build_run, data_iterator, prepare_config, save_checkpoint, train_step
+    from interop_runs import _live_state
+    from test_lora import _layout_logits, random_b
+
+    logger.setLevel(logging.WARNING)
+    if per_shard:  # the mutation check: each TP rank quantizes its own shard instead of slicing the full weight's quantization
+        from hybridlm.parallel.quantized import QuantizedWeight, quantize
+        from hybridlm.parallel.tensor_parallel import Sharding
+
+        def assign(self, full):
+            shard = Sharding(self.tp_sharding.dim, self.tp_sharding.blocks).shard(full, self.tp.rank, self.tp.size)
+            rows = [r // self.tp.size for r in self.part_rows] if self.column else [shard.shape[0]]
+            self.parts = [quantize(part, self.spec) for part in torch.split(shard, rows, dim=0)]
+        QuantizedWeight.assign = assign
+    random_b()
+    cfg, ds = prepare_config(parse_finetune_args(flags))
+    run = build_run(cfg, ds)
+    batches = data_iterator(run)
+    losses = [train_step(run, batches).item() for _ in range(steps)]
+    logits = _layout_logits(run, _tokens())
+    with adapters_disabled(run.engine.module):
+        base_logits = _layout_logits(run, _tokens())
+    if save:
+        save_checkpoint(run)
+    weights = _live_state(run, False)["weight"]
+    return {"losses": losses, "logits": logits, "base_logits": base_logits,
+            "adapters": {n: w for n, w in weights.items() if is_adapter_name(n)},
+            "frozen": {n: w for n, w in weights.items() if not is_adapter_name(n)},
+            "dequantized": {n: w.dequantize().clone() for n, w in quantized_weights(run.engine.module)}}
+
+
+def first(results: list[dict], key: str):
+    return next(r[key] for r in results if r[key] is not None)
+
+
+_single: dict = {}
+
+
+def single_process(base, tmp_path_factory) -> tuple[dict, str]:
+    """(rank 0's result, run directory) of the one-process run, trained two steps and saved; once per session."""
+    if not _single:
+        run_dir = str(tmp_path_factory.mktemp("qlora_single") / "run")
+        _single["run"] = (run_ranks(1, qlora_run, sft_flags(base, base[1], 2, run_dir), 2, True)[0], run_dir)
+    return _single["run"]
+
+
+def bnb_model(hf_dir: str):
+    """transformers' own 4-bit model of ``hf_dir``: what a PEFT QLoRA user loads (fp32 compute on the CPU)."""
+    import bitsandbytes as bnb
+    import transformers
+    quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                            bnb_4bit_compute_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, quantization_config=quant, dtype=torch.float32,
+                                                              device_map="cpu", local_files_only=True)
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # bitsandbytes' CPU inference kernel (avx512-bf16, taken in eval mode without gradients) repacks the weight and
+            # computes in bf16; without it Linear4bit dequantizes and multiplies in the compute dtype, as on a GPU
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def test_qlora_equals_peft_on_the_same_bitsandbytes_base_and_both_exports_load(base, tmp_path_factory, tmp_path):
+    import peft
+    import transformers
+    from bitsandbytes.functional import dequantize_4bit
+
+    from hybridlm.interop.export import export_to_hf
+    from hybridlm.interop.peft_adapter import export_peft_adapter
+    ours, run_dir = single_process(base, tmp_path_factory)
+    tokens, logits = _tokens(), ours["logits"]
+    assert (logits - ours["base_logits"]).abs().max().item() > 1e-2, "the adapters do not move the logits: B did not start random"
+
+    # the same base, bit for bit: transformers' Linear4bit of each q/k/v/o/gate/up/down is one of our parts
+    hf4 = bnb_model(base[0])
+    for layer in range(2):
+        block = hf4.model.layers[layer]
+        theirs = {"attention.qkv": [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj],
+                  "attention.proj": [block.self_attn.o_proj], "mlp.fc1": [block.mlp.gate_proj, block.mlp.up_proj],
+                  "mlp.fc2": [block.mlp.down_proj]}
+        for ours_name, linears in theirs.items():
+            dense = torch.cat([dequantize_4bit(m.weight.data, m.weight.quant_state) for m in linears])
+            assert torch.equal(dense, ours["dequantized"][f"{layer + 1}.{ours_name}.weight"]), f"layer {layer} {ours_name}"
+
+    # PEFT on that base with our adapters, from the adapter-only export
+    adapter = str(tmp_path / "adapter")
+    export_peft_adapter(run_dir, adapter, log=lambda line: None)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        assert json.load(f)["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    qlora_peft = peft.PeftModel.from_pretrained(hf4, adapter).eval()
+    with torch.no_grad():
+        theirs = qlora_peft(tokens).logits
+    assert (theirs - logits).abs().max().item() < 1e-4
+    # the base matters: the same adapters on the dense base are another model
+    dense_peft = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base[0], dtype=torch.float32, local_files_only=True), adapter).eval()
+    with torch.no_grad():
+        assert (dense_peft(tokens).logits - logits).abs().max().item() > 100 * (theirs - logits).abs().max().item()
+
+    # the merged export: the dequantized base plus (alpha/R) B A, a plain model for transformers
+    merged = str(tmp_path / "merged")
+    export_to_hf(run_dir, merged, merge_lora=True, progress=False, log=lambda line: None)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True, local_files_only=True,
+                                                                    dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        assert (model.eval()(tokens).logits - logits).abs().max().item() < 1e-4
