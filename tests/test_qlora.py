@@ -8,8 +8,8 @@ that the adapters already move the logits, and saves. Then, in fp32 on the CPU:
   for weight, and the run's logits equal PEFT's on that base with the run's adapters, loaded from the
   adapter-only export (< 1e-4), while the same adapters on the dense base differ (the base matters);
 - the merged export (base dequantized + (alpha/R) B A) loads in transformers with the same logits;
-- at TP2 + SP and at PP2 two steps give a single process's losses and logits (every TP rank slices one
-  quantization of the full weight); quantizing each rank's shard on its own instead drifts;
+- at TP2 + SP and at PP2 two steps give a single process's losses and adapters (and at TP2 its logits):
+  every TP rank slices one quantization of the full weight; quantizing each rank's shard on its own drifts;
 - a resumed run continues bit for bit, and its checkpoint holds the adapters and the name of its base.
 """
 from __future__ import annotations
@@ -80,9 +80,11 @@ def qlora_run(flags: list[str], steps: int, save: bool = False, per_shard: bool 
     run = build_run(cfg, ds)
     batches = data_iterator(run)
     losses = [train_step(run, batches).item() for _ in range(steps)]
-    logits = _layout_logits(run, _tokens())
-    with adapters_disabled(run.engine.module):
-        base_logits = _layout_logits(run, _tokens())
+    logits = base_logits = None
+    if not run.is_pipeline:  # (the pipeline engine's eval_batch takes the task's batches, not bare tokens)
+        logits = _layout_logits(run, _tokens())
+        with adapters_disabled(run.engine.module):
+            base_logits = _layout_logits(run, _tokens())
     if save:
         save_checkpoint(run)
     weights = _live_state(run, False)["weight"]
@@ -168,3 +170,45 @@ def test_qlora_equals_peft_on_the_same_bitsandbytes_base_and_both_exports_load(b
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         assert (model.eval()(tokens).logits - logits).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+def test_qlora_at_tp2_sp_and_pp2_matches_single_process(base, tmp_path_factory, layout):
+    single, _ = single_process(base, tmp_path_factory)
+    results = run_ranks(2, qlora_run, sft_flags(base, base[1], 2, layout=TP2_SP if layout == "tp2_sp" else PP2), 2)
+    for step, (got, want) in enumerate(zip(results[0]["losses"], single["losses"]), start=1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: loss {got} != single-process {want}"
+    if layout == "tp2_sp":
+        assert (first(results, "logits") - single["logits"]).abs().max().item() < 1e-4
+    for name, tensor in single["adapters"].items():
+        got = results[0]["adapters"][name]
+        assert (got - tensor).abs().max().item() <= 1e-5 * tensor.abs().max().item(), name
+
+
+def test_quantizing_each_tp_shard_on_its_own_drifts_from_single_process(base, tmp_path_factory):
+    # The mutation check of the test above: a rank that quantizes its own shard has other block scales
+    # (double quantization's second level spans the shard) and another base.
+    single, _ = single_process(base, tmp_path_factory)
+    mutated = run_ranks(2, qlora_run, sft_flags(base, base[1], 2, layout=TP2_SP), 2, False, True)
+    assert (first(mutated, "logits") - single["logits"]).abs().max().item() > 1e-3
+
+
+def test_qlora_sft_resumes_bit_exact_from_a_checkpoint_of_adapters_and_the_name_of_its_base(base, tmp_path):
+    from hybridlm.interop.layout import fingerprint, read_info, resolve_tag_dir
+    from hybridlm.interop.reader import load_file
+    from hybridlm.parallel.lora import is_adapter_name
+    straight = run_ranks(2, qlora_run, sft_flags(base, base[1], 2, layout=TP2_SP), 2)[0]
+    run_dir = str(tmp_path / "run")
+    run_ranks(2, qlora_run, sft_flags(base, base[1], 2, run_dir, TP2_SP), 1, True)
+    tag = resolve_tag_dir(run_dir)
+    info = read_info(tag)
+    assert info.quantized_base == {"checkpoint": os.path.abspath(resolve_tag_dir(base[1])),
+                                   "fingerprint": fingerprint(resolve_tag_dir(base[1]))}
+    saved = [key for rank in range(2) for key in load_file(os.path.join(tag, f"mp_rank_{rank:02d}_model_states.pt"))["module"]]
+    assert saved and all(is_adapter_name(key) for key in saved), "the checkpoint stores more than the adapters"
+    resumed = run_ranks(2, qlora_run, sft_flags(base, run_dir, 2, run_dir, TP2_SP), 1)[0]
+    assert resumed["losses"][0] == straight["losses"][1]
+    for name, tensor in straight["adapters"].items():
+        assert torch.equal(resumed["adapters"][name], tensor), f"{name} differs after the resume"
+    for name, tensor in straight["frozen"].items():
+        assert torch.equal(resumed["frozen"][name], tensor), f"frozen {name} differs after the resume"
