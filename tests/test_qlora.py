@@ -15,6 +15,7 @@ that the adapters already move the logits, and saves. Then, in fp32 on the CPU:
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -212,3 +213,93 @@ def test_qlora_sft_resumes_bit_exact_from_a_checkpoint_of_adapters_and_the_name_
         assert torch.equal(resumed["adapters"][name], tensor), f"{name} differs after the resume"
     for name, tensor in straight["frozen"].items():
         assert torch.equal(resumed["frozen"][name], tensor), f"frozen {name} differs after the resume"
+
+
+def test_qlora_dpo_reference_is_the_4bit_base_with_the_adapters_off(base, tmp_path):
+    # With random non-zero B the policy is not the base; DPO's reference must be the 4-bit base's log-probs (adapters
+    # switched off in the same engine), which differ from the dense base's by the quantization.
+    from finetune_runs import OPTIM, finetune, preference_data
+    from test_lora import dpo_reference
+    data = preference_data(tmp_path / "pref", base[0])
+    flags = ["--task", "dpo", "--load", base[1], "--data-path", data, "--seq-length", "48", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--train-iters", "1", "--lora-rank", "4", "--lora-alpha", "8"] + OPTIM + ds_config("zero1")
+    dense = run_ranks(1, dpo_reference, flags, False)[0]
+    quantized_b0 = run_ranks(1, dpo_reference, flags + ["--quant-bits", "4"], False)[0]
+    quantized = run_ranks(1, dpo_reference, flags + ["--quant-bits", "4"], True)[0]
+    assert abs(quantized - quantized_b0).max() <= 1e-6 * abs(quantized_b0).max()
+    assert abs(quantized - dense).max() > 100 * 1e-6 * abs(dense).max()
+    # and it trains: from B = 0 the policy is that same 4-bit base, so the first step's loss is -log sigmoid(0) = log 2
+    trained = run_ranks(1, finetune, flags + ["--quant-bits", "4"], 1)[0]
+    assert abs(trained["losses"][0] - math.log(2)) < 1e-6
+
+
+# ---------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("world, flags, message", [
+    (1, ["--lora-rank", "0"], r"--quant-bits 4 needs --lora-rank: a quantized base cannot be trained \(full fine-tuning\)"),
+    (1, ["--fp8-format", "hybrid", "--bf16"], "--quant-bits 4 cannot be combined with --fp8-format hybrid"),
+    (1, ds_config("zero3"), "--quant-bits 4 cannot be combined with ZeRO stage 3"),
+    (1, ["--save", "runs/never"], "--quant-bits 4 cannot be combined with --save runs/never without --load"),
+    # TINY's attention output projection has 64 inputs: 32 a rank at TP2, half a quantization block
+    (2, ["--tensor-model-parallel-size", "2"], r"attention's output projection input \(heads x kv-channels\) gives 64 / TP 2 = 32"),
+])
+def test_what_qlora_cannot_do_is_refused_in_one_sentence_before_any_process_group(world, flags, message):
+    from hybridlm.config import ConfigError, parse_args
+    from hybridlm.training.trainer import prepare_config
+    from interop_runs import BASE
+    with pytest.raises(ConfigError, match=message):
+        prepare_config(parse_args(BASE + QLORA + ["--train-iters", "1"] + ds_config("zero1") + flags), world_size=world)
+
+
+def test_qlora_without_bitsandbytes_is_refused_naming_the_package(monkeypatch):
+    import sys
+
+    from hybridlm.config import ConfigError, parse_args
+    from hybridlm.training.trainer import prepare_config
+    from interop_runs import BASE
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what importlib sees where the package is not installed
+    with pytest.raises(ConfigError, match=r"--quant-bits 4 needs bitsandbytes, which is not installed here \(pip install 'hybridlm\[qlora\]'"):
+        prepare_config(parse_args(BASE + QLORA + ["--train-iters", "1"]), world_size=1)
+
+
+def _resume_flags(base, run_dir: str) -> list[str]:
+    return sft_flags(base, run_dir, 3)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("quant_type", r"holds adapters trained on a base quantized with --quant-bits 4 --quant-type nf4 --double-quant; "
+                   r"continue with the same settings \(this run has --quant-bits 4 --quant-type fp4 --double-quant\)"),
+    ("dense", r"holds QLoRA adapters trained on a 4-bit base \(--quant-bits 4 --quant-type nf4 --double-quant\); continue with those flags"),
+    ("base_gone", "its adapters were trained on the 4-bit base quantized from .* which no longer exists"),
+    ("base_changed", "whose files have changed since"),
+])
+def test_a_qlora_checkpoint_continues_only_on_its_own_base_and_settings(base, tmp_path_factory, tmp_path, change, message):
+    import shutil
+
+    import yaml
+
+    from hybridlm.config import ConfigError, parse_args
+    from hybridlm.interop.layout import INFO_FILE, resolve_tag_dir
+    from hybridlm.training.finetune import parse_finetune_args
+    from hybridlm.training.trainer import prepare_config
+    _, saved = single_process(base, tmp_path_factory)
+    run_dir = shutil.copytree(saved, tmp_path / "run")
+    flags = _resume_flags(base, str(run_dir))
+    info_path = os.path.join(resolve_tag_dir(str(run_dir)), INFO_FILE)
+    with open(info_path) as f:
+        info = json.load(f)
+    if change == "base_gone":
+        info["quantized_base"]["checkpoint"] = str(tmp_path / "gone")
+    if change == "base_changed":
+        info["quantized_base"]["fingerprint"] = "0" * 32
+    with open(info_path, "w") as f:
+        json.dump(info, f)
+    with pytest.raises(ConfigError, match=message):
+        if change == "dense":  # the run's settings without --quant-bits, as scripts/pretrain.py would take them
+            with open(os.path.join(resolve_tag_dir(str(run_dir)), "config.yaml")) as f:
+                settings = {k: v for k, v in yaml.safe_load(f).items() if k not in ("quant-bits", "save")}
+            with open(tmp_path / "dense.yaml", "w") as f:
+                yaml.safe_dump(settings, f)
+            prepare_config(parse_args(["--config", str(tmp_path / "dense.yaml"), "--load", str(run_dir)]), world_size=1)
+        else:
+            prepare_config(parse_finetune_args(flags + (["--quant-type", "fp4"] if change == "quant_type" else [])), world_size=1)
