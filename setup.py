@@ -23,7 +23,8 @@ setup(
         "jinja2>=3.1.6",  # chat templates (preprocess_chat); the sandbox fixes of 3.1.6, as transformers requires
     ],
     extras_require={
-        "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py"],
+        "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py", "peft", "bitsandbytes>=0.50"],
+        "qlora": ["bitsandbytes>=0.50"],  # --quant-bits 4 (0.50.2 tested; its 4-bit kernels run on CPU too)
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
         "bench": ["matplotlib"],  # benchmarks/headline.png (python -m benchmarks render)
     },

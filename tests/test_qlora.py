@@ -25,6 +25,7 @@ from harness import run_ranks
 from oracle import ds_config
 
 pytest.importorskip("bitsandbytes", reason="QLoRA's base is bitsandbytes' (pip install 'hybridlm[qlora]')")
+pytest.importorskip("peft", reason="the QLoRA model is compared with PEFT's (pip install peft)")
 
 QLORA = ["--lora-rank", "4", "--lora-alpha", "8", "--quant-bits", "4"]
 SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
