@@ -62,6 +62,7 @@ def qlora_run(flags: list[str], steps: int, save: bool = False, per_shard: bool 
 
     from hybridlm.parallel.lora import adapters_disabled, is_adapter_name
     from hybridlm.parallel.quantized import quantized_weights
+    from hybridlm.training.distributed import device
     from hybridlm.training.finetune import parse_finetune_args
     from hybridlm.training.trainer import build_run, data_iterator, prepare_config, save_checkpoint, train_step
     from interop_runs import _live_state
@@ -84,16 +85,19 @@ def qlora_run(flags: list[str], steps: int, save: bool = False, per_shard: bool 
     losses = [train_step(run, batches).item() for _ in range(steps)]
     logits = base_logits = None
     if not run.is_pipeline:  # (the pipeline engine's eval_batch takes the task's batches, not bare tokens)
-        logits = _layout_logits(run, _tokens())
+        tokens = _tokens().to(device())
+        logits = _layout_logits(run, tokens)
         with adapters_disabled(run.engine.module):
-            base_logits = _layout_logits(run, _tokens())
+            base_logits = _layout_logits(run, tokens)
     if save:
         save_checkpoint(run)
     weights = _live_state(run, False)["weight"]
-    return {"losses": losses, "logits": logits, "base_logits": base_logits,
+    cpu = lambda t: None if t is None else t.float().cpu()  # noqa: E731 (CUDA tensors do not outlive the rank)
+    return {"losses": losses, "logits": cpu(logits), "base_logits": cpu(base_logits),
             "adapters": {n: w for n, w in weights.items() if is_adapter_name(n)},
             "frozen": {n: w for n, w in weights.items() if not is_adapter_name(n)},
-            "dequantized": {n: w.dequantize().clone() for n, w in quantized_weights(run.engine.module)}}
+            "dequantized": {n: cpu(w.dequantize()) for n, w in quantized_weights(run.engine.module)},
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None}
 
 
 def first(results: list[dict], key: str):
@@ -111,14 +115,14 @@ def single_process(base, tmp_path_factory) -> tuple[dict, str]:
     return _single["run"]
 
 
-def bnb_model(hf_dir: str):
-    """transformers' own 4-bit model of ``hf_dir``: what a PEFT QLoRA user loads (fp32 compute on the CPU)."""
+def bnb_model(hf_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """transformers' own 4-bit model of ``hf_dir``: what a PEFT QLoRA user loads (``dtype``: weights and compute)."""
     import bitsandbytes as bnb
     import transformers
     quant = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                            bnb_4bit_compute_dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, quantization_config=quant, dtype=torch.float32,
-                                                              device_map="cpu", local_files_only=True)
+                                            bnb_4bit_compute_dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, quantization_config=quant, dtype=dtype,
+                                                              device_map=device, local_files_only=True)
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             # bitsandbytes' CPU inference kernel (avx512-bf16, taken in eval mode without gradients) repacks the weight and
@@ -304,3 +308,33 @@ def test_a_qlora_checkpoint_continues_only_on_its_own_base_and_settings(base, tm
             prepare_config(parse_args(["--config", str(tmp_path / "dense.yaml"), "--load", str(run_dir)]), world_size=1)
         else:
             prepare_config(parse_finetune_args(flags + (["--quant-type", "fp4"] if change == "quant_type" else [])), world_size=1)
+
+
+# ---------------------------------------------------------------- on the GPU machine (pytest -m gpu)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bitsandbytes' CUDA kernels)")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_qlora_on_cuda_equals_peft_on_transformers_4bit_base(base, tmp_path, precision):
+    # bitsandbytes' CUDA kernels: the same bits as transformers' CUDA quantization, and PEFT's logits with the run's
+    # adapters (fp32: < 1e-3, TF32-free GEMMs in another order; bf16: within bf16's rounding of logits of about 1)
+    import peft
+
+    from hybridlm.interop.peft_adapter import export_peft_adapter
+    run_dir = str(tmp_path / "run")
+    flags = sft_flags(base, base[1], 2, run_dir) + (["--bf16"] if precision == "bf16" else [])
+    ours = run_ranks(1, qlora_run, flags, 2, True, timeout=600)[0]
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    hf4 = bnb_model(base[0], "cuda", dtype)
+    from bitsandbytes.functional import dequantize_4bit
+    q_proj = hf4.model.layers[0].self_attn.q_proj
+    theirs_q = dequantize_4bit(q_proj.weight.data, q_proj.weight.quant_state).float().cpu()
+    assert torch.equal(theirs_q, ours["dequantized"]["1.attention.qkv.weight"][: theirs_q.shape[0]])
+    adapter = str(tmp_path / "adapter")
+    export_peft_adapter(run_dir, adapter, log=lambda line: None)
+    model = peft.PeftModel.from_pretrained(hf4, adapter).eval()
+    with torch.no_grad():
+        theirs = model(_tokens().cuda()).logits.float().cpu()
+    tolerance = 1e-3 if precision == "fp32" else 5e-2
+    assert (theirs - ours["logits"]).abs().max().item() < tolerance
+    assert (ours["logits"] - ours["base_logits"]).abs().max().item() > 10 * tolerance
