@@ -34,7 +34,7 @@ from .cases import ONE_GPU_PEERS, Case
 from .records import append, read
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEEDS = {"te": "transformer_engine", "fa": "flash_attn.cute"}
+NEEDS = {"te": "transformer_engine", "fa": "flash_attn.cute", "bnb": "bitsandbytes", "peft": "peft", "trl": "trl"}
 
 
 def current_commit() -> str:
@@ -80,7 +80,8 @@ def missing(case: Case, gpus: int) -> Optional[str]:
         except ModuleNotFoundError:
             found = False
         if not found:
-            return f"needs {NEEDS[need]} (stage its bundle: benchmarks/stage.sh)"
+            bundle = "benchmarks/stage_qlora.sh" if need in ("bnb", "peft") else "benchmarks/stage_trl.sh" if need == "trl" else "benchmarks/stage.sh"
+            return f"needs {NEEDS[need]} (stage its bundle: {bundle})"
     return None
 
 
