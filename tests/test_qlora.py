@@ -60,7 +60,7 @@ def qlora_run(flags: list[str], steps: int, save: bool = False, per_shard: bool 
 
     from deepspeed.utils import logger
 
-    from hybridlm.parallel.lora import adapters_disabled, is_adapter_name
+    from hybridlm.parallel.lora import adapters_disabled, describe_adapters, is_adapter_name
     from hybridlm.parallel.quantized import quantized_weights
     from hybridlm.training.distributed import device
     from hybridlm.training.finetune import parse_finetune_args
@@ -94,6 +94,7 @@ def qlora_run(flags: list[str], steps: int, save: bool = False, per_shard: bool 
     weights = _live_state(run, False)["weight"]
     cpu = lambda t: None if t is None else t.float().cpu()  # noqa: E731 (CUDA tensors do not outlive the rank)
     return {"losses": losses, "logits": cpu(logits), "base_logits": cpu(base_logits),
+            "described": describe_adapters(run.engine.module, cfg.model),
             "adapters": {n: w for n, w in weights.items() if is_adapter_name(n)},
             "frozen": {n: w for n, w in weights.items() if not is_adapter_name(n)},
             "dequantized": {n: cpu(w.dequantize()) for n, w in quantized_weights(run.engine.module)},
@@ -141,6 +142,7 @@ def test_qlora_equals_peft_on_the_same_bitsandbytes_base_and_both_exports_load(b
     ours, run_dir = single_process(base, tmp_path_factory)
     tokens, logits = _tokens(), ours["logits"]
     assert (logits - ours["base_logits"]).abs().max().item() > 1e-2, "the adapters do not move the logits: B did not start random"
+    assert "held 4-bit nf4 with double quantization, computing in fp32" in ours["described"], ours["described"]
 
     # the same base, bit for bit: transformers' Linear4bit of each q/k/v/o/gate/up/down is one of our parts
     hf4 = bnb_model(base[0])
@@ -177,11 +179,22 @@ def test_qlora_equals_peft_on_the_same_bitsandbytes_base_and_both_exports_load(b
     with torch.no_grad():
         assert (model.eval()(tokens).logits - logits).abs().max().item() < 1e-4
 
+    # generate.py's decoder (KV cache) on the QLoRA checkpoint itself: its base quantized again, the adapters beside it
+    from hybridlm.interop.generate import KVCache, load_for_generation
+    from hybridlm.parallel.state import SINGLE
+    generator, cfg, _ = load_for_generation(run_dir, SINGLE, "cpu", torch.float32)
+    cache = KVCache(cfg.num_layers, 2, cfg.num_query_groups, tokens.shape[1], cfg.kv_channels, "cpu", torch.float32)
+    assert (generator.forward_step(tokens, cache, 0) - logits[:, -1]).abs().max().item() < 1e-4
+
 
 @pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
-def test_qlora_at_tp2_sp_and_pp2_matches_single_process(base, tmp_path_factory, layout):
-    single, _ = single_process(base, tmp_path_factory)
-    results = run_ranks(2, qlora_run, sft_flags(base, base[1], 2, layout=TP2_SP if layout == "tp2_sp" else PP2), 2)
+def test_qlora_at_tp2_sp_and_pp2_matches_single_process(base, tmp_path_factory, tmp_path, layout):
+    from safetensors.torch import load_file
+
+    from hybridlm.interop.peft_adapter import export_peft_adapter
+    single, single_dir = single_process(base, tmp_path_factory)
+    run_dir = str(tmp_path / "run")
+    results = run_ranks(2, qlora_run, sft_flags(base, base[1], 2, run_dir, TP2_SP if layout == "tp2_sp" else PP2), 2, True)
     for step, (got, want) in enumerate(zip(results[0]["losses"], single["losses"]), start=1):
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: loss {got} != single-process {want}"
     if layout == "tp2_sp":
@@ -189,6 +202,13 @@ def test_qlora_at_tp2_sp_and_pp2_matches_single_process(base, tmp_path_factory, 
     for name, tensor in single["adapters"].items():
         got = results[0]["adapters"][name]
         assert (got - tensor).abs().max().item() <= 1e-5 * tensor.abs().max().item(), name
+    # the layout's checkpoint (TP shards, or a file per pipeline layer, of adapters only) exports what one process's does
+    for directory, where in ((run_dir, "layout"), (single_dir, "single")):
+        export_peft_adapter(directory, str(tmp_path / where), log=lambda line: None)
+    ours, theirs = (load_file(str(tmp_path / where / "adapter_model.safetensors")) for where in ("layout", "single"))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert (ours[name] - tensor).abs().max().item() <= 1e-5 * tensor.abs().max().item(), name
 
 
 def test_quantizing_each_tp_shard_on_its_own_drifts_from_single_process(base, tmp_path_factory):

@@ -244,5 +244,5 @@ def describe_base(model: nn.Module) -> str:
     if not weights:
         return ""
     numel, held = sum(w.numel() for w in weights), sum(w.nbytes() for w in weights)
-    return (f"; the block linears' {numel:,} weights are {weights[0].spec.describe()}: {held / 2**30:.2f} GiB "
+    return (f"; its block linears' {numel:,} weights are held {weights[0].spec.describe()}: {held / 2**30:.2f} GiB "
             f"({8 * held / max(numel, 1):.2f} bits a weight)")

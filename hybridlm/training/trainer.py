@@ -35,7 +35,6 @@ from ..parallel.lora import describe_adapters
 from ..parallel.loss import LossReducer, aux_loss_scale
 from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import LayerFactory, LocalOps, ModelGroups
-from ..parallel.quantized import describe_base
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
 from . import checkpoint
@@ -372,7 +371,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
         if run.task.describe():
             print(f"hybridlm: {run.task.describe()}", flush=True)
         if cfg.model.lora_rank:
-            print(f"hybridlm: {describe_adapters(run.engine.module, cfg.model)}{describe_base(run.engine.module)}", flush=True)
+            print(f"hybridlm: {describe_adapters(run.engine.module, cfg.model)}", flush=True)
     if t.save and rank0:
         write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
