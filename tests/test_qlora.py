@@ -7,10 +7,13 @@ that the adapters already move the logits, and saves. Then, in fp32 on the CPU:
 - the 4-bit base holds the very bits transformers' BitsAndBytesConfig gives the same model, weight
   for weight, and the run's logits equal PEFT's on that base with the run's adapters, loaded from the
   adapter-only export (< 1e-4), while the same adapters on the dense base differ (the base matters);
-- the merged export (base dequantized + (alpha/R) B A) loads in transformers with the same logits;
-- at TP2 + SP and at PP2 two steps give a single process's losses and adapters (and at TP2 its logits):
-  every TP rank slices one quantization of the full weight; quantizing each rank's shard on its own drifts;
-- a resumed run continues bit for bit, and its checkpoint holds the adapters and the name of its base.
+- the merged export (base dequantized + (alpha/R) B A) loads in transformers with the same logits, and
+  generate.py runs the checkpoint itself alike;
+- at TP2 + SP (full recompute) and at PP2 two steps give a single process's losses and adapters (and
+  at TP2 its logits): every TP rank slices one quantization of the full weight, while quantizing each
+  rank's shard on its own drifts;
+- a resumed run continues bit for bit, and its checkpoint holds the adapters and the name of its base;
+- DPO's reference is the 4-bit base with the adapters off; what QLoRA cannot do is refused in one sentence.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ pytest.importorskip("peft", reason="the QLoRA model is compared with PEFT's (pip
 
 QLORA = ["--lora-rank", "4", "--lora-alpha", "8", "--quant-bits", "4"]
 SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+# TP2 + SP with full recompute: the 4-bit GEMMs run again inside the checkpointed layers' backward
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--recompute-granularity", "full"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 
