@@ -158,7 +158,10 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
     states = _gather(engine.module, source, carry=step is not None)
     for param in [p for p in states if not p.requires_grad]:  # a frozen base (LoRA) is no optimizer's: copied as it is
         param.copy_(states.pop(param)["weight"].to(param.device, param.dtype))
-    load_quantized(engine.module, reader.weight)  # a 4-bit base (QLoRA): quantized from the dense weights, one at a time
+    quantized = load_quantized(engine.module, reader.weight)  # a 4-bit base (QLoRA): quantized from the dense weights, one at a time
+    if quantized and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"--load {tag_dir}: {quantized} weights of this rank's layers quantized to 4 bits from "
+              f"{getattr(reader, 'base', reader).tag_dir}", flush=True)
     {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
     load_buffers(engine.module, reader)
     # --no-load-optim (Megatron's checkpointing.py): the weights and the iteration, but neither the
