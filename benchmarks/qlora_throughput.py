@@ -1,7 +1,7 @@
 """QLoRA on one GPU (issue 35): hybridlm's 4-bit base under LoRA against PEFT + bitsandbytes through TRL's
 SFTTrainer (a transformers Trainer), on the same packed chat data; a table last.
 
-    python3 benchmarks/qlora_throughput.py --out $OUT --workdir /tmp/qlorabench [--shape llama2-7b] [--steps 6 --warmup 2]
+    python3 benchmarks/qlora_throughput.py --out $OUT --workdir /tmp/qlorabench [--shape llama2-7b] [--steps 5 --warmup 2]
     python3 benchmarks/qlora_throughput.py --out /tmp/x --tiny     (smoke test on a CPU: tiny fp32 model)
 
 The model is a LlamaForCausalLM of the ``--shape`` (llama2-7b: 32 layers, hidden 4096, ffn 11008, 32 heads,
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on whatever device (CPU smoke test)")
     parser.add_argument("--seq-length", type=int, default=None, help="row length (default 4096; tiny 256)")
     parser.add_argument("--global-batch-size", type=int, default=8, help="rows per optimizer step (micro-batch 1)")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=400, help="conversations in the SFT data")
     parser.add_argument("--hybridlm-flags", default=RECOMPUTE, help=f"more hybridlm flags, given with '=' (default {RECOMPUTE!r})")
