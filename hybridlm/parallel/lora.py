@@ -23,6 +23,9 @@ though merged into the base it is an ordinary dense weight again (``hybridlm.int
 B starts at zero (PEFT's default), A uniform within +-1/sqrt(in) (PEFT's Kaiming rule), so the
 adapted model starts as the base. ``add_adapters`` attaches them to a built model (any stage),
 freezes everything else, and is the only place that knows which module names are targets.
+
+With ``--quant-bits 4`` (QLoRA) the frozen linears hold their weights in 4 bits
+(``hybridlm.parallel.quantized``): an adapter sees only the base weight's shape, device and dtype.
 """
 from __future__ import annotations
 
