@@ -30,7 +30,8 @@ SUITES = {
     "data": "preprocessing throughput against the tokenizer's bare encoder and Megatron-LM's tools/preprocess_data.py",
     "post-training": "fine-tuning on one GPU: packed SFT of a Qwen2-1.5B shape beside TRL's SFTTrainer and hybridlm's own "
                      "pretraining, DPO's reference pass; LoRA of a llama2-7b shape against full fine-tuning with ZeRO-3 + CPU offload; "
-                     "GRPO of a Qwen2-0.5B shape beside TRL's GRPOTrainer",
+                     "GRPO of a Qwen2-0.5B shape beside TRL's GRPOTrainer; QLoRA (a 4-bit base) of llama2-7b and -13b shapes, "
+                     "and beside PEFT + bitsandbytes",
     "monitor": "what the training monitor costs (README, 'Monitoring'): the reference on one GPU trained without it and "
                "with the gradient noise scale and a profiled step every 5, in one call",
     "cpu": "the runner's own check in the test suite: the built-in tiny model, two steps, on CPU",
@@ -54,7 +55,8 @@ class Case:
     timeout_s: int = 360  # one run's limit
     script: tuple[str, ...] = ()  # a helper's argv (it takes --record-file) instead of scripts/benchmark.py
     launcher: str = "deepspeed"  # how a script starts: "deepspeed" (--num_gpus) or "python"
-    needs: tuple[str, ...] = ()  # what must be importable: "te" (Transformer Engine), "fa" (flash-attn-4)
+    needs: tuple[str, ...] = ()  # what must be importable: "te" (Transformer Engine), "fa" (flash-attn-4), "bnb"
+    # (bitsandbytes), "peft", "trl"
 
     @property
     def ranks(self) -> int:
@@ -78,6 +80,8 @@ SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
 LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
 L_LONG = "mb 1, full recompute, ZeRO-1, bf16"
 LORA_7B = ("--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "all-linear")
+QLORA = LORA_7B + ("--quant-bits", "4", "--quant-type", "nf4", "--double-quant")
+L_QLORA = "1 GPU, QLoRA: LoRA R 16 alpha 32 on all linears over an NF4 base (double quantization), bf16, ZeRO-1, seq 4096, mb 1, gbs 8"
 SFT_ROWS = ("--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "8")
 PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval", "1", "--lr-warmup-iters", "0")
 PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
@@ -210,6 +214,25 @@ CASES = (
     Case("7b-lora-r16", "post-training", "1 GPU, LoRA R 16 alpha 32 on all linears (one adapter per fused weight), frozen bf16 "
          "base, ZeRO-1 (adapter state only), seq 4096, mb 1, gbs 8", model="llama2-7b", steps=6, warmup=3,
          flags=BF16 + LORA_7B + SFT_ROWS, expected_s=200, timeout_s=400),
+    # QLoRA (issue 35): the same rows over a 4-bit base, quantized at start from the seed's weights; the peak counts the whole
+    # run (build and quantization included). Full recompute fits in well under 20 GiB; recomputing half the layers trades
+    # that room for speed.
+    Case("7b-qlora-r16", "post-training", f"{L_QLORA}, full recompute", model="llama2-7b", steps=6, warmup=3,
+         flags=BF16 + QLORA + ("--recompute-granularity", "full") + SFT_ROWS, expected_s=240, timeout_s=480,
+         needs=("bnb",)),
+    Case("7b-qlora-r16-recompute16", "post-training", f"{L_QLORA}, recompute 16 of 32 layers", model="llama2-7b", steps=6,
+         warmup=3, flags=BF16 + QLORA + ("--recompute-granularity", "full", "--recompute-method", "block",
+                                         "--recompute-num-layers", "16") + SFT_ROWS, expected_s=240, timeout_s=480,
+         needs=("bnb",)),
+    Case("13b-qlora-r16", "post-training", f"{L_QLORA}, full recompute", model="llama2-13b", steps=4, warmup=2,
+         flags=BF16 + QLORA + ("--recompute-granularity", "full") + SFT_ROWS, expected_s=300, timeout_s=560, needs=("bnb",)),
+    # the same QLoRA beside PEFT + bitsandbytes through TRL's SFTTrainer on the same packed chat data (a random llama2-7b-shaped
+    # Hugging Face model and its import, made once in the work directory: ~27 GB of disk)
+    Case("7b-qlora-peft", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
+         "quantization, packed rows of 4096, mb 1, gbs 8; PEFT + bitsandbytes (TRL SFTTrainer) beside it", gpus=1,
+         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
+         script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench"),
+         expected_s=480, timeout_s=590, needs=("bnb", "peft", "trl")),
     Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "
          "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,
          flags=("--bf16", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json", "--recompute-granularity", "full") + SFT_ROWS,

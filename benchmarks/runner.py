@@ -34,7 +34,8 @@ from .cases import ONE_GPU_PEERS, Case
 from .records import append, read
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NEEDS = {"te": "transformer_engine", "fa": "flash_attn.cute"}
+NEEDS = {"te": "transformer_engine", "fa": "flash_attn.cute", "bnb": "bitsandbytes", "peft": "peft", "trl": "trl"}
+STAGED_BY = {"bnb": "benchmarks/stage_qlora.sh", "peft": "benchmarks/stage_qlora.sh", "trl": "benchmarks/stage_trl.sh"}
 
 
 def current_commit() -> str:
@@ -80,7 +81,7 @@ def missing(case: Case, gpus: int) -> Optional[str]:
         except ModuleNotFoundError:
             found = False
         if not found:
-            return f"needs {NEEDS[need]} (stage its bundle: benchmarks/stage.sh)"
+            return f"needs {NEEDS[need]} (stage its bundle: {STAGED_BY.get(need, 'benchmarks/stage.sh')})"
     return None
 
 

@@ -38,8 +38,9 @@ SHAPES = {
 STAGES = ("sft", "pretrain", "trl", "dpo")
 
 
-def prepare(args) -> dict:
-    """The HF model directory, its import and the chat data (made once per work directory)."""
+def prepare(args, config=None) -> dict:
+    """The HF model directory, its import and the chat data (made once per work directory); ``config``:
+    the transformers config of the model (default: the Qwen2 shape of ``SHAPES``)."""
     import torch
     import transformers
 
@@ -50,7 +51,7 @@ def prepare(args) -> dict:
     if os.path.isfile(os.path.join(args.workdir, "ready")):
         return paths
     tokenizer_dir("chatml", paths["hf"])
-    config = transformers.Qwen2Config(**SHAPES["tiny" if args.tiny else "qwen2-1.5b"])
+    config = config or transformers.Qwen2Config(**SHAPES["tiny" if args.tiny else "qwen2-1.5b"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(device):

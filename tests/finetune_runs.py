@@ -33,11 +33,12 @@ MODELS = {"qwen2": "chatml", "llama": "llama3"}  # HF family -> the chat templat
 def hf_model_dir(directory, family: str, seed: int = 0, **config) -> str:
     """A tiny random HF model (Qwen2: tied embeddings, query/key/value biases; Llama: untied) with
     grouped-query attention and a chat tokenizer, saved offline as from_pretrained reads it;
-    ``config``: other config values (a larger initializer_range, for continuations that are not near-ties)."""
+    ``config``: other config values, overriding the sizes too (a larger initializer_range, for
+    continuations that are not near-ties; a wider model)."""
     import transformers
     tokenizer_dir(MODELS[family], directory)
-    common = dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=2 * SEQ, **config)
+    common = {**dict(vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=2 * SEQ), **config}
     config = (transformers.Qwen2Config(**common, tie_word_embeddings=True) if family == "qwen2"
               else transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=50000.0))
     torch.manual_seed(seed)

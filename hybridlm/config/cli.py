@@ -190,7 +190,7 @@ def flags_markdown() -> str:
         flag = "--" + f.name.replace("_", "-")
         if _base_type(hint) is bool:
             flag += " / --no-" + f.name.replace("_", "-")
-        choices = f" ({' / '.join(f.metadata['choices'])})" if f.metadata["choices"] else ""
+        choices = f" ({' / '.join(map(str, f.metadata['choices']))})" if f.metadata["choices"] else ""
         aliases = "".join(f" / `{a}`" for a in f.metadata["aliases"])
         rows.append(f"| `{flag}`{aliases} | `{f.default}` | {f.metadata['help']}{choices} |")
     return "\n".join(rows)

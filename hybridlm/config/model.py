@@ -13,6 +13,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 DROP_POLICIES = ("probs", "position", "choice_then_position")
 LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # attention's QKV and output projection, the MLP's two linears
+QUANT_BLOCK = 64  # weights sharing one scale in a 4-bit base: bitsandbytes' default, which transformers' BitsAndBytesConfig uses
 
 
 @dataclass
@@ -86,9 +87,15 @@ class ModelConfig:
     lora_alpha: Optional[float] = flag(None, "LoRA: the adapters' product is scaled by alpha / R, PEFT's rule (default: R, a scale of 1, as PEFT's defaults r = alpha = 8).")
     lora_dropout: float = flag(0.0, "LoRA: dropout on the adapters' input (PEFT's lora_dropout).")
     lora_targets: str = flag("all-linear", f"LoRA: the linears that get adapters, a comma list of {', '.join(LORA_TARGETS)}, or all-linear (all of them; never the output layer); one adapter per fused weight (QKV, SwiGLU's gate and up).")
+    quant_bits: Optional[int] = flag(None, "QLoRA: hold the frozen base's block linears (QKV, proj, fc1, fc2; not the embedding or output layer) in this many bits through bitsandbytes, quantized once at load and never trained; only 4 (ms-swift's --quant_bits; transformers' load_in_4bit). Needs --lora-rank (default: no quantization).",
+                                      choices=(4,))
+    quant_type: str = flag("nf4", "QLoRA: the 4-bit data type, NormalFloat (the QLoRA paper's) or plain FP4 (bitsandbytes' bnb_4bit_quant_type; transformers defaults to fp4, ms-swift and PEFT's QLoRA recipes to nf4).",
+                           choices=("nf4", "fp4"))
+    double_quant: bool = flag(True, "QLoRA: quantize the per-block scales again (8-bit, blocks of 256): about 0.37 bits per weight less (bnb_4bit_use_double_quant; on as in the QLoRA paper and ms-swift, off in transformers' default).")
     padded_vocab_size: Optional[int] = flag(None, "Derived: vocabulary padded for TP.", cli=False)
     packed_samples: bool = flag(False, "Derived from --packing: rows hold several samples that attention must keep apart.", cli=False)
     half_precision: bool = flag(False, "Derived from --bf16/--fp16: the layers compute in half precision (which attention kernels can run).", cli=False)
+    params_dtype: str = flag("fp32", "Derived from --bf16/--fp16 (Megatron's params_dtype): the precision the weights are held in; a 4-bit base is quantized from it and dequantized to it.", cli=False)
     attention_block_kernel: str = flag("math", "Derived at start-up: the log-sum-exp attention kernel context parallelism runs block by block.", cli=False)
 
     def __post_init__(self):
@@ -120,6 +127,9 @@ class ModelConfig:
         self.fused_op_names()  # refuses an unknown name now, not at model build
         if self.lora_rank:
             self._check_lora()
+        if self.quant_bits is not None and not self.lora_rank:
+            raise ConfigError(f"--quant-bits {self.quant_bits} needs --lora-rank: a quantized base cannot be trained "
+                              "(full fine-tuning), only adapters beside it.")
 
     @property
     def graphed_attention_shape(self) -> Optional[tuple[int, int]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from . import megatron
 from .fields import ConfigError, refuse_first
-from .model import ModelConfig
+from .model import QUANT_BLOCK, ModelConfig
 from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 @dataclass
@@ -43,6 +43,7 @@ class RunConfig:
             raise ConfigError(f"world size {world_size} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp}; it must equal TP x PP x CP x DP.")
         p.data_parallel_size = world_size // (tp * pp * cp)
         m.half_precision = t.bf16 or t.fp16
+        m.params_dtype = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
         if m.num_attention_heads % tp:
             raise ConfigError(f"--num-attention-heads {m.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}.")
         if m.num_query_groups % tp:
@@ -86,6 +87,8 @@ class RunConfig:
         if m.torch_compile and ep > 1:
             raise ConfigError(f"--torch-compile cannot be combined with --expert-model-parallel-size {ep} yet: the expert "
                               "all-to-all has not been checked inside compiled layers on NCCL; compile works with EP=1 under TP, DP, PP and ZeRO.")
+        if m.quant_bits is not None:
+            self._check_quantized_base(tp)
         if m.lora_rank:
             self._check_lora()
         if m.cuda_graphs:
@@ -311,6 +314,35 @@ class RunConfig:
              "block-wise attention cannot keep packed samples apart; use --cp-comm-type a2a, or drop --packing "
              "(one conversation per row)"),
         ))
+
+    def _check_quantized_base(self, tp: int) -> None:
+        """What a 4-bit base (QLoRA, ``hybridlm.parallel.quantized``) cannot sit beside (one refusal each)."""
+        import importlib.util
+        m, p, t = self.model, self.parallel, self.train
+        flag = f"--quant-bits {m.quant_bits}"
+        refuse_first(flag, (
+            (m.fp8_format is not None, f"--fp8-format {m.fp8_format}: the base's GEMMs dequantize its 4-bit weights to "
+             "bf16, and the adapters sit beside this project's linears, not Transformer Engine's; drop --fp8-format"),
+            (m.transformer_impl == "transformer_engine", "--transformer-impl transformer_engine: the 4-bit base sits in "
+             "this project's linears, not Transformer Engine's; use --transformer-impl local"),
+            (p.zero_stage == 3, f"ZeRO stage 3 (from {t.deepspeed_config}): it partitions parameters, and the 4-bit base "
+             "is held beside DeepSpeed's parameters, never trained; use ZeRO-1 or 2, which shard the adapters' optimizer state"),
+            (bool(t.save) and not t.load, f"--save {t.save} without --load: a QLoRA checkpoint keeps the adapters and names "
+             "the checkpoint its base was quantized from, and a base drawn from --seed is none; --load the base "
+             "(convert_from_hf.py's output or a training run)"),
+        ))
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError(f"{flag} needs bitsandbytes, which is not installed here (pip install 'hybridlm[qlora]', "
+                              "or pip install bitsandbytes).")
+        if tp > 1:
+            widths = (("--hidden-size", m.hidden_size, 1), ("the attention's output projection input (heads x kv-channels)",
+                      m.num_attention_heads * m.kv_channels, tp), ("--ffn-hidden-size", m.ffn_hidden_size, tp))
+            for what, width, split in widths:
+                if (width // split) % QUANT_BLOCK:
+                    per_rank = f"{width} / TP {tp} = {width // split}" if split > 1 else str(width)
+                    raise ConfigError(f"{flag} with --tensor-model-parallel-size {tp}: each rank keeps whole "
+                                      f"{QUANT_BLOCK}-weight quantization blocks of every row, and {what} gives {per_rank}, "
+                                      f"not a multiple of {QUANT_BLOCK}; use a TP that keeps it one, or TP 1.")
 
     def _check_lora(self) -> None:
         """What the adapters cannot sit beside yet (one refusal each)."""

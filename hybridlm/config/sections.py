@@ -70,6 +70,7 @@ class TrainConfig:
     finetune: bool = flag(False, "With --load: take only the model weights; fresh optimizer, LR schedule and iteration count (Megatron's --finetune).")
     load_optim: bool = flag(True, "With --load: restore the optimizer and LR-schedule state; --no-load-optim keeps the weights and the iteration and starts those afresh.")
     load_rng: bool = flag(True, "With --load: restore every rank's random streams; --no-load-rng reseeds them from --seed.")
+    base_checkpoint: Optional[str] = flag(None, "Derived from --load with --quant-bits: the checkpoint folder the 4-bit base is quantized from (the one --load names, or the one a QLoRA checkpoint names as its base); a QLoRA checkpoint stores the adapters and this reference, not the base.", cli=False)
     ckpt_format: str = flag("torch_dist", "Megatron's checkpoint format; here every format is DeepSpeed's (global_step<N>/, a file per rank, reshaped on load), which is sharded as torch_dist is.", choices=("torch_dist", "torch"))
     exit_interval: Optional[int] = flag(None, "Save and exit after the iteration that is a multiple of N.")
     exit_duration_in_mins: Optional[float] = flag(None, "Save and exit once the run has trained this many minutes (ranks agree at the end of a step).")

@@ -23,8 +23,7 @@ import torch
 from ..config import ConfigError
 from .hf_names import HF_CLASSES, export_architecture, hf_config, parameter_rules
 from .layout import resolve_tag_dir
-from .lora import MergedWeights, lora_scale
-from .reader import CheckpointReader
+from .lora import MergedWeights, lora_scale, open_checkpoint
 from .tokenizer_files import write_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,11 +102,12 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}.")
     check_output(output)
-    reader = CheckpointReader(resolve_tag_dir(checkpoint))
+    reader = open_checkpoint(resolve_tag_dir(checkpoint))  # a QLoRA checkpoint joined with the base it names
     cfg, layout = reader.model_config, reader.layout
     if cfg.lora_rank and not merge_lora:
         raise ConfigError(f"--checkpoint {checkpoint} holds LoRA adapters (rank {cfg.lora_rank}); add --merge-lora to write "
-                          "the merged weights W + (alpha/R) B A as a plain model.")
+                          "the merged weights W + (alpha/R) B A as a plain model, or --peft-adapter to write the adapters "
+                          "alone for PEFT.")
     if merge_lora and not cfg.lora_rank:
         raise ConfigError(f"--merge-lora: --checkpoint {checkpoint} holds no LoRA adapters; drop --merge-lora.")
     weights = MergedWeights(reader) if merge_lora else reader
@@ -149,6 +149,8 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
         shutil.rmtree(staging, ignore_errors=True)
         raise
     merged = f", LoRA adapters merged (scale {lora_scale(cfg):g})" if merge_lora else ""
+    if merge_lora and cfg.quant_bits:
+        merged += f" onto the 4-bit base dequantized ({cfg.quant_type}, quantized from {reader.base.tag_dir})"
     log(f"exported {reader.tag_dir} ({layout.describe()}, {len(rules)} parameters{merged}) to {output} as "
         f"{HF_CLASSES[arch]} in {dtype}{', tied embeddings' if tied else ''}: {', '.join(files)}")
     log(tokenizer_line)

@@ -15,16 +15,17 @@ import torch.distributed as dist
 from ..model.generation import Completions, Generator, KVCache, Sampling, filter_logits  # noqa: F401 - the script's names
 from ..model.specs import build_model
 from ..parallel.plan import LayerFactory, ModelGroups
+from ..parallel.quantized import load_quantized
 from ..parallel.state import GroupHandle
 from .layout import resolve_tag_dir, vocab_parameters
-from .reader import CheckpointReader
+from .lora import open_checkpoint
 from .reshape import fit_rows, load_buffers, to_local
 
 
 def load_for_generation(checkpoint: str, tp: GroupHandle, device, dtype: Optional[torch.dtype] = None):
     """(Generator, model config, checkpoint settings) for ``checkpoint`` at TP = ``tp.size``; weights
     come from any saved layout, each rank reading only its own slices."""
-    reader = CheckpointReader(resolve_tag_dir(checkpoint))
+    reader = open_checkpoint(resolve_tag_dir(checkpoint))  # a QLoRA checkpoint joined with the base it names
     cfg = reader.model_config
     cfg.padded_vocab_size = cfg.pad_vocab(tp.size)
     if cfg.num_attention_heads % tp.size or cfg.num_query_groups % tp.size:
@@ -39,6 +40,7 @@ def load_for_generation(checkpoint: str, tp: GroupHandle, device, dtype: Optiona
             if name in vocab:
                 full = fit_rows(full, cfg.padded_vocab_size)
             param.copy_(to_local(full, param, _TPOnly(tp)).to(param.dtype))
+    load_quantized(model, reader.weight)  # QLoRA: the 4-bit base, quantized as in training
     load_buffers(model, reader)
     return Generator(model.eval(), tp, cfg.vocab_size), cfg, reader.info.settings
 

@@ -13,6 +13,7 @@ shape and how TP and EP split it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -77,6 +78,7 @@ class CheckpointInfo:
     optimizer_state: bool  # False: weights only (an import, or a folder written without an optimizer)
     expert_files: bool  # expert weights in experts_*.pt, one file per (stage, TP rank, EP rank)
     tokenizer_known: bool = True  # False: imported without tokenizer files, so the settings' tokenizer is a placeholder
+    quantized_base: Optional[dict] = None  # QLoRA: {"checkpoint": the base's folder, "fingerprint": its files'} (not stored here)
 
     def model_config(self, tp: Optional[int] = None) -> ModelConfig:
         """The saved model, its vocabulary padded for ``tp`` (default: the saved TP), with the
@@ -92,16 +94,39 @@ class CheckpointInfo:
         if cfg.vocab_size is None:
             raise ConfigError(f"{os.path.join(self.tag_dir, CONFIG_FILE)} has no vocab-size; it was not written by a training run.")
         cfg.padded_vocab_size = cfg.pad_vocab(tp or self.layout.tp)
+        cfg.params_dtype = "bf16" if self.layout.bf16 else "fp16" if self.layout.fp16 else "fp32"
         return cfg
 
 
 def write_info(tag_dir: str, cfg: RunConfig, iteration: int, *, optimizer_state: bool = True,
                expert_files: bool = False) -> None:
-    """Write config.yaml and hybridlm_checkpoint.json into ``tag_dir`` (each by rename: never half-written)."""
+    """Write config.yaml and hybridlm_checkpoint.json into ``tag_dir`` (each by rename: never half-written).
+    A QLoRA run's checkpoint names the checkpoint its 4-bit base was quantized from (``--load``'s)."""
     info = {"format_version": FORMAT_VERSION, "iteration": iteration, "layout": asdict(Layout.of_run(cfg)),
             "optimizer_state": optimizer_state, "expert_files": expert_files}
+    if cfg.train.base_checkpoint:
+        info["quantized_base"] = {"checkpoint": cfg.train.base_checkpoint, "fingerprint": fingerprint(cfg.train.base_checkpoint)}
     atomic_write_text(os.path.join(tag_dir, CONFIG_FILE), effective_yaml(cfg))
     atomic_write_text(os.path.join(tag_dir, INFO_FILE), json.dumps(info, indent=2) + "\n")
+
+
+def fingerprint(tag_dir: str, sample: int = 1 << 20) -> str:
+    """A cheap identity of a checkpoint folder's contents: each file's name, size, first and last MiB.
+    A QLoRA checkpoint records its base's, so that a resume or an export refuses a base that changed
+    (another model imported into the same path) instead of quantizing the wrong weights."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(tag_dir)):
+        path = os.path.join(tag_dir, name)
+        if not os.path.isfile(path):
+            continue
+        size = os.path.getsize(path)
+        digest.update(f"{name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(sample))
+            if size > sample:
+                f.seek(max(sample, size - sample))
+                digest.update(f.read(sample))
+    return digest.hexdigest()[:32]
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -140,7 +165,7 @@ def read_info(tag_dir: str, flag: str = "--checkpoint") -> CheckpointInfo:
             raise ConfigError(f"{flag} {tag_dir}: {INFO_FILE} is malformed ({e}).") from None
         settings = _settings(os.path.join(tag_dir, CONFIG_FILE), flag)
         return CheckpointInfo(tag_dir, layout, settings, int(raw["iteration"]), bool(raw["optimizer_state"]),
-                              bool(raw.get("expert_files", False)), bool(raw.get("tokenizer", True)))
+                              bool(raw.get("expert_files", False)), bool(raw.get("tokenizer", True)), raw.get("quantized_base"))
     return _read_legacy_info(tag_dir, flag)
 
 
@@ -219,7 +244,8 @@ def parameter_table(cfg: ModelConfig, tp: int, ep: int = 1) -> dict[str, ParamIn
     from ..parallel.plan import LayerFactory, ModelGroups
     from ..parallel.state import GroupHandle
 
-    portable = dataclasses.replace(cfg, **{k: v for k, v in PORTABLE_KERNELS.items() if hasattr(cfg, k)})
+    # a 4-bit base (QLoRA) holds the same weights, under the same names, as the dense model it was quantized from
+    portable = dataclasses.replace(cfg, **{k: v for k, v in PORTABLE_KERNELS.items() if hasattr(cfg, k)}, quant_bits=None)
     model = build_model(portable, LayerFactory(ModelGroups(tp=GroupHandle(None, 0, tp), ep=GroupHandle(None, 0, ep)), device="meta"))
     table = {}
     for name, param in model.named_parameters():

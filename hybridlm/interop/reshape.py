@@ -22,7 +22,9 @@ from torch import nn
 
 from ..config import ConfigError, RunConfig
 from ..parallel.lora import is_adapter_name
+from ..parallel.quantized import load_quantized
 from .layout import CheckpointInfo, Layout, ParamInfo, parameter_table, read_info, vocab_parameters
+from .lora import open_checkpoint, refuse_dense_resume
 from .reader import OPTIMIZER_KEYS, CheckpointReader, OptimizerStateUnavailable
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -30,8 +32,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def needs_reshape(tag_dir: str, cfg: RunConfig) -> bool:
     """Whether ``--load`` must go through this module rather than DeepSpeed's own loader."""
-    if cfg.train.finetune or not cfg.train.load_optim:
-        return True
+    if cfg.train.finetune or not cfg.train.load_optim or cfg.model.quant_bits:
+        return True  # (QLoRA: the base comes from the checkpoint the loaded one names, through open_checkpoint)
     if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
         return False  # saved before layouts were recorded: DeepSpeed's loader, as before
     info = read_info(tag_dir, "--load")
@@ -49,6 +51,7 @@ def check_loadable(tag_dir: str, cfg: RunConfig) -> None:
     if not os.path.isfile(os.path.join(tag_dir, "hybridlm_checkpoint.json")):
         return  # saved before layouts were recorded; DeepSpeed's loader checks shapes itself
     info = read_info(tag_dir, "--load")
+    refuse_dense_resume(info, cfg.model)
     saved = parameter_table(info.model_config(), info.layout.tp, info.layout.ep)
     here = parameter_table(cfg.model, cfg.parallel.tensor_model_parallel_size, cfg.parallel.expert_model_parallel_size)
     check_same_model(saved, here, vocab_parameters(cfg.model), f"--load {tag_dir}", adds_adapters(info, cfg))
@@ -132,7 +135,7 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
     """Load ``tag_dir`` (any saved layout) into ``engine`` (this run's layout). Returns the client
     state the trainer resumes from (iteration 0 with ``--finetune`` or a weights-only checkpoint).
     ``rng_restored`` says (for the log) that the caller restores the random streams."""
-    reader = CheckpointReader(tag_dir, "--load")
+    reader = open_checkpoint(tag_dir, "--load")
     source = _Source(reader, cfg, ps, tag_dir)
     info: CheckpointInfo = reader.info
     new_adapters = adds_adapters(info, cfg)
@@ -155,6 +158,10 @@ def load_resharded(engine, ps, cfg: RunConfig, tag_dir: str, rng_restored: bool 
     states = _gather(engine.module, source, carry=step is not None)
     for param in [p for p in states if not p.requires_grad]:  # a frozen base (LoRA) is no optimizer's: copied as it is
         param.copy_(states.pop(param)["weight"].to(param.device, param.dtype))
+    quantized = load_quantized(engine.module, reader.weight)  # a 4-bit base (QLoRA): quantized from the dense weights, one at a time
+    if quantized and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"--load {tag_dir}: {quantized} weights of this rank's layers quantized to 4 bits from "
+              f"{getattr(reader, 'base', reader).tag_dir}", flush=True)
     {"torch": _into_torch, "zero12": _into_hp_mapped, "bf16": _into_hp_mapped, "zero3": _into_zero3}[kind](optimizer, states, step)
     load_buffers(engine.module, reader)
     # --no-load-optim (Megatron's checkpointing.py): the weights and the iteration, but neither the

@@ -22,6 +22,7 @@ from ..config import ModelConfig
 from ..parallel.lora import add_adapters
 from ..parallel.loss import LossReducer
 from ..parallel.plan import LayerFactory
+from ..parallel.quantized import QuantSpec, quantize_block_linears
 from .execution import LayerSteps
 from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_output
 
@@ -29,11 +30,29 @@ TIED_KEY = "embed"
 TIED_ATTR = "word_embeddings.weight"
 
 
+class FinishedLayerSpec(LayerSpec):
+    """A LayerSpec whose built module is handed to ``finish`` before the next layer is built (so that
+    what ``finish`` frees, the dense weights a 4-bit base replaces, never exists for all layers at once)."""
+
+    def __init__(self, finish: Callable[[nn.Module], None], typename, *args, **kwargs):
+        super().__init__(typename, *args, **kwargs)
+        self.finish = finish
+
+    def build(self, log=False):
+        module = super().build(log=log)
+        self.finish(module)
+        return module
+
+
 def layer_specs(cfg: ModelConfig, factory: LayerFactory) -> list:
     tied = not cfg.untie_embeddings_and_output_weights
     embedding = (TiedLayerSpec(TIED_KEY, Embedding, cfg, factory, tied_weight_attr=TIED_ATTR) if tied
                  else LayerSpec(Embedding, cfg, factory))
-    layers = [LayerSpec(TransformerLayer, cfg, factory, layer_number=i) for i in range(cfg.num_layers)]
+    if cfg.quant_bits:  # QLoRA: the block linears in 4 bits (hybridlm.parallel.quantized)
+        finish = partial(quantize_block_linears, spec=QuantSpec.of(cfg), tp=factory.tp)
+        layers = [FinishedLayerSpec(finish, TransformerLayer, cfg, factory, layer_number=i) for i in range(cfg.num_layers)]
+    else:
+        layers = [LayerSpec(TransformerLayer, cfg, factory, layer_number=i) for i in range(cfg.num_layers)]
     head = (TiedLayerSpec(TIED_KEY, Embedding, cfg, factory, forward_fn=tied_output, tied_weight_attr=TIED_ATTR)
             if tied else LayerSpec(OutputLayer, cfg, factory))
     return [embedding, *layers, LayerSpec(FinalNorm, cfg, factory), head]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel.quantized import quantized_weights
 from ..parallel.state import SINGLE, GroupHandle
 
 
@@ -52,13 +53,22 @@ def mark_vocabulary_rows(param: nn.Parameter, vocab_size: int | None) -> None:
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, tp: GroupHandle, ep: GroupHandle = SINGLE) -> None:
+    """Every parameter from the seed; a 4-bit base's weights (QLoRA) are quantized from their full initial value."""
     for name, param in model.named_parameters():
         param.copy_(initial_value(name, param, seed, tp, ep))
+    for name, weight in quantized_weights(model):
+        weight.assign(full_initial_value(name, weight, seed, tp, ep))
 
 
 def initial_value(name: str, param: nn.Parameter, seed: int, tp: GroupHandle, ep: GroupHandle = SINGLE) -> torch.Tensor:
     """This rank's slice of the parameter's initial value (fp32): normal(0, ``init_std``), uniform
     within +-``init_bound`` (LoRA's A, as Kaiming's), or the constant ``init_value``."""
+    return _to_local(param, full_initial_value(name, param, seed, tp, ep), tp, ep)
+
+
+def full_initial_value(name: str, param, seed: int, tp: GroupHandle, ep: GroupHandle = SINGLE) -> torch.Tensor:
+    """The full (single-process) initial value of ``param`` (anything with its shape, device, sharding
+    tags and initialisation rule), fp32."""
     std, bound, value = (getattr(param, key, None) for key in ("init_std", "init_bound", "init_value"))
     if std is None and bound is None and value is None:
         raise RuntimeError(f"parameter {name} has no initialisation rule (was it created outside the LayerFactory?)")
@@ -73,7 +83,7 @@ def initial_value(name: str, param: nn.Parameter, seed: int, tp: GroupHandle, ep
             full[:rows].normal_(0.0, std, generator=generator)
         else:
             full[:rows].uniform_(-bound, bound, generator=generator)
-    return _to_local(param, full, tp, ep)
+    return full
 
 
 @torch.no_grad()

@@ -23,6 +23,9 @@ though merged into the base it is an ordinary dense weight again (``hybridlm.int
 B starts at zero (PEFT's default), A uniform within +-1/sqrt(in) (PEFT's Kaiming rule), so the
 adapted model starts as the base. ``add_adapters`` attaches them to a built model (any stage),
 freezes everything else, and is the only place that knows which module names are targets.
+
+With ``--quant-bits 4`` (QLoRA) the frozen linears hold their weights in 4 bits
+(``hybridlm.parallel.quantized``): an adapter sees only the base weight's shape, device and dtype.
 """
 from __future__ import annotations
 
@@ -126,10 +129,12 @@ def adapters_disabled(model: nn.Module):
 
 
 def describe_adapters(model: nn.Module, cfg) -> str:
-    """One log line: what is trained, and how much of this rank's model it is."""
+    """One log line: what is trained, and how much of this rank's model it is (a 4-bit base's weights included)."""
+    from .quantized import describe_base, quantized_weights  # QLoRA's base, which imports this module
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters()) + sum(w.numel() for _, w in quantized_weights(model))
     alpha = lora_alpha(cfg)
     return (f"LoRA rank {cfg.lora_rank}, alpha {alpha:g} (scale {alpha / cfg.lora_rank:g}), dropout {cfg.lora_dropout:g}, on "
             f"{','.join(cfg.lora_target_names())} (one adapter per fused weight): {trainable:,} trainable parameters of "
-            f"{total:,} on this rank ({100.0 * trainable / max(total, 1):.2f}%); the base is frozen and has no optimizer state")
+            f"{total:,} on this rank ({100.0 * trainable / max(total, 1):.2f}%); the base is frozen and has no optimizer "
+            f"state{describe_base(model)}")

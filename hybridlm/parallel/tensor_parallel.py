@@ -110,7 +110,8 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W's output rows split over TP; the output stays split.
 
     ``local_matmul`` (a factory taking the weight and bias) swaps the rank-local matmul for
-    another library's (Transformer Engine's, for FP8) while the communication stays here.
+    another library's (Transformer Engine's, for FP8; a 4-bit base's, ``hybridlm.parallel.quantized``,
+    set after construction) while the communication stays here.
     ``input_norm`` with ``local_norm_matmul`` (a factory taking the norm, weight and bias)
     fuses the norm that precedes this linear into its GEMM (TE's LayerNormLinear); then
     ``owns_norm`` is True and the caller passes the un-normalised input. Without sequence
@@ -147,9 +148,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.local_matmul is not None:
-            x = gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tensor_parallel(x, self.tp)
-            return self.local_matmul(x)
-        y = column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
+            y = self.local_matmul(gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tensor_parallel(x, self.tp))
+        else:
+            y = column_parallel_matmul(x, self.weight, self.bias, self.tp, self.sequence_parallel)
         return y + self.lora(x) if self.lora is not None and self.lora.enabled else y
 
 

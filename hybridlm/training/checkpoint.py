@@ -29,6 +29,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from ..config import ConfigError
 from ..interop.experts import load_expert_weights, save_expert_weights
 from ..interop.layout import Layout, atomic_write_text, read_info, write_info
+from ..interop.lora import quantized_base_of
 from ..interop.reshape import check_loadable, load_resharded, needs_reshape
 
 LATEST = "latest"
@@ -128,6 +129,21 @@ def task_state_file(tag_dir: str, rank: int) -> str:
     return os.path.join(tag_dir, f"task_state_rank{rank}.pt")
 
 
+def quantized_base(cfg) -> str | None:
+    """Before any process group, for a QLoRA run (``--quant-bits``): the checkpoint folder its 4-bit base
+    is quantized from, which its checkpoints will name (None: the base is the seed's initialisation)."""
+    t = cfg.train
+    if not cfg.model.quant_bits or not t.load:
+        return None
+    tag = tag_to_load(t.load, t.ckpt_step)
+    if tag is None:
+        if t.save:
+            raise ConfigError(f"{no_checkpoint_reason(t.load)}: with --quant-bits and --save, --load must name the base "
+                              "checkpoint the 4-bit base is quantized from (a QLoRA checkpoint names it instead of storing it).")
+        return None
+    return quantized_base_of(os.path.join(t.load, tag), cfg.model)
+
+
 def save(engine, directory: str, *, iteration: int, client_state: dict, keep_last: int | None, cfg=None, ps=None,
          text_files: dict | None = None, rank_state: dict | None = None) -> None:
     """With ``cfg`` and ``ps`` the tag also gets its layout and settings (read by reshape and the
@@ -135,7 +151,10 @@ def save(engine, directory: str, *, iteration: int, client_state: dict, keep_las
     ``text_files`` {name: text}: more files for the tag (the chat template a fine-tuning run used);
     ``rank_state``: the task's state of this rank (``task_state_file``), saved before the tag is complete."""
     tag = tag_for(iteration)
-    engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False)
+    # QLoRA: the frozen parameters are the base's, which the checkpoint names (write_info) instead of storing
+    quantized = cfg is not None and bool(cfg.model.quant_bits)
+    engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False,
+                           exclude_frozen_parameters=quantized)
     _atomic_torch_save(rng_state(), _rng_file(directory, tag, dist.get_rank()))
     if rank_state is not None:
         _atomic_torch_save(rank_state, task_state_file(os.path.join(directory, tag), dist.get_rank()))

@@ -78,6 +78,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     build_task(cfg).check()
     checkpoint.refuse_overwrite(cfg.train.save, cfg.train.load)
     checkpoint.check_load(cfg.train.load, cfg.train.ckpt_step, cfg)
+    cfg.train.base_checkpoint = checkpoint.quantized_base(cfg)
     StepProfiler.parse(cfg.train.profile_step_range)
     check_monitor_config(cfg)
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
