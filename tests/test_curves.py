@@ -1,6 +1,7 @@
 """scripts/compare_runs.py: a run tracks a reference when its windowed loss means stay close."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -71,8 +72,9 @@ def test_several_runs_figures_are_shown_side_by_side_and_drawn(tmp_path):
                     record.update(exposed_comm_share=exposed, comm_sampled_iteration=i)
                 f.write(json.dumps(record) + "\n")
         paths.append(str(path))
+    draws = importlib.util.find_spec("matplotlib") is not None  # the plot needs the bench extra; the table does not
     code, out, err = _run("--series", "mfu,exposed_comm_share,grad_noise_scale", *paths, "--skip", "4",
-                          "--plot", tmp_path / "runs.png")
+                          *(["--plot", tmp_path / "runs.png"] if draws else []))
     assert code == 0, err
     lines = out.splitlines()
     exposed = lines[lines.index(next(line for line in lines if line.startswith("exposed_comm_share"))) + 1:][:3]
@@ -80,7 +82,8 @@ def test_several_runs_figures_are_shown_side_by_side_and_drawn(tmp_path):
                                                       ["4", "41.0%", "41.0%", "41.0%"]]
     noise = lines[lines.index(next(line for line in lines if line.startswith("grad_noise_scale"))) + 1].split()
     assert noise[1:] == ["16", "500", "1,250", "2,000"]  # iterations 5..20 after --skip 4
-    assert (tmp_path / "runs.png").stat().st_size > 0 and out.splitlines()[-1] == f"wrote {tmp_path / 'runs.png'}"
+    if draws:
+        assert (tmp_path / "runs.png").stat().st_size > 0 and out.splitlines()[-1] == f"wrote {tmp_path / 'runs.png'}"
 
 
 def test_the_loss_check_takes_exactly_two_runs(tmp_path):
