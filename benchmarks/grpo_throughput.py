@@ -24,14 +24,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from benchmarks.records import append, script_record  # noqa: E402
+from benchmarks import stages  # noqa: E402
+from benchmarks.records import script_record  # noqa: E402
 
 SHAPES = {
     "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -125,24 +125,11 @@ def stage_trl(args, paths: dict) -> dict:
                         max_steps=args.warmup + args.steps, bf16=not args.tiny, logging_steps=10**6, save_strategy="no",
                         report_to=[], dataloader_num_workers=0, gradient_checkpointing=False, use_vllm=False,
                         optim="adamw_torch_fused" if gpu else "adamw_torch", use_cpu=not gpu)
-    ends, generation = [], []
-
-    def now():
-        if gpu:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    class Timer(transformers.TrainerCallback):
-        """Optimizer step ends; a step runs from the previous end (its generation and scoring included)."""
-        def on_step_begin(self, *unused, **kwargs):
-            if not ends:
-                ends.append(now())
-
-        def on_step_end(self, *unused, **kwargs):
-            ends.append(now())
-
+    generation = []
+    clock, ends = stages.step_clock()
+    now = stages.synchronized_now
     trainer = GRPOTrainer(model=model, reward_funcs=[rewards.distinct_words], args=config, train_dataset=Dataset.from_list(rows),
-                          processing_class=tokenizer, callbacks=[Timer()])
+                          processing_class=tokenizer, callbacks=[clock])
     generate, lengths = trainer._generate_single_turn, []
 
     def timed_generate(*a, **kw):  # transformers' generate, as TRL calls it once per generation batch
@@ -165,23 +152,13 @@ def stage_trl(args, paths: dict) -> dict:
 
 
 def run_stage(args, stage: str) -> dict:
-    """One measurement in a process of its own: fresh GPU memory, no state shared between frameworks."""
-    command = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", args.out, "--workdir", args.workdir,
-               "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-               "--global-batch-size", str(args.global_batch_size), "--num-generations", str(args.num_generations),
-               "--max-completion-length", str(args.max_completion_length), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--prompts", str(args.prompts), "--attention", args.attention, f"--hybridlm-flags={args.hybridlm_flags}"]
-    command += ["--tiny"] if args.tiny else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    log = os.path.join(args.out, f"{stage}.log")
-    with open(log, "w") as f:
-        code = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    lines = [line for line in open(log) if line.startswith("RESULT ")]
-    if code != 0 or not lines:
-        tail = open(log).read().splitlines()[-8:]
-        print(f"[{stage}] failed (exit {code}); end of {log}:\n  " + "\n  ".join(tail), flush=True)
-        return {}
-    return json.loads(lines[-1][len("RESULT "):])
+    """One measurement in a process of its own (benchmarks/stages.py)."""
+    options = ["--out", args.out, "--workdir", args.workdir, "--seq-length", str(args.seq_length),
+               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
+               "--num-generations", str(args.num_generations), "--max-completion-length", str(args.max_completion_length),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts),
+               "--attention", args.attention, f"--hybridlm-flags={args.hybridlm_flags}"]
+    return stages.run_stage(__file__, stage, options + (["--tiny"] if args.tiny else []), os.path.join(args.out, f"{stage}.log"))
 
 
 def versus_trl(results: dict) -> float | None:
@@ -265,18 +242,14 @@ def main(argv=None) -> int:
     if args.stage:
         paths = prepare(args)
         result = {"grpo": lambda: stage_hybridlm(args, paths), "trl": lambda: stage_trl(args, paths)}[args.stage]()
-        print("RESULT " + json.dumps(result), flush=True)
+        stages.report(result)
         return 0
     started = time.perf_counter()
     prepare(args)
     print(f"model and prompts ready in {args.workdir} ({time.perf_counter() - started:.0f} s)", flush=True)
     results = {stage: run_stage(args, stage) for stage in args.only.split(",") if stage in STAGES}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(table(results, args), flush=True)
-    if args.record_file:
-        for record in records_of(results, args, argv if argv is not None else sys.argv[1:]):
-            append(args.record_file, record)
+    stages.finish(results, os.path.join(args.out, "results.json"), table(results, args),
+                  lambda: records_of(results, args, argv if argv is not None else sys.argv[1:]), args.record_file)
     return 0
 
 

@@ -17,17 +17,16 @@ its peak memory is torch.cuda.max_memory_allocated over the whole process, loadi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from benchmarks.records import append, script_record  # noqa: E402
+from benchmarks import stages  # noqa: E402
+from benchmarks.records import script_record  # noqa: E402
 from benchmarks.sft_throughput import TORCH_VARLEN, prepare, register_torch_varlen_attention  # noqa: E402
 
 SHAPES = {
@@ -98,24 +97,10 @@ def stage_peft(args, paths: dict) -> dict:
                        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
                        logging_steps=10**6, save_strategy="no", report_to=[], dataloader_num_workers=0,
                        optim="adamw_torch_fused" if on_gpu else "adamw_torch", use_cpu=not on_gpu)
-    counts, positions, ends = [], [], []
+    counts, positions = [], []
+    clock, ends = stages.step_clock()
 
-    class Timer(transformers.TrainerCallback):
-        """Optimizer step ends; a step's time runs from the previous end (fetching and collating included,
-        as in hybridlm's iteration time)."""
-        def on_step_begin(self, *unused, **kwargs):
-            if not ends:
-                ends.append(synchronized_now())
-
-        def on_step_end(self, *unused, **kwargs):
-            ends.append(synchronized_now())
-
-    def synchronized_now():
-        if on_gpu:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), peft_config=lora, callbacks=[Timer()],
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), peft_config=lora, callbacks=[clock],
                          processing_class=transformers.AutoTokenizer.from_pretrained(paths["hf"]))
     collate = trainer.data_collator
 
@@ -135,21 +120,11 @@ def stage_peft(args, paths: dict) -> dict:
 
 
 def run_stage(args, stage: str) -> dict:
-    """One measurement in a process of its own (fresh GPU memory, its own peak)."""
-    command = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", args.out, "--workdir", args.workdir,
-               "--shape", args.shape, "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--samples", str(args.samples),
-               f"--hybridlm-flags={args.hybridlm_flags}"] + (["--tiny"] if args.tiny else [])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    log = os.path.join(args.out, f"qlora-{stage}.log")
-    with open(log, "w") as f:
-        code = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    lines = [line for line in open(log) if line.startswith("RESULT ")]
-    if code != 0 or not lines:
-        tail = open(log).read().splitlines()[-8:]
-        print(f"[{stage}] failed (exit {code}); end of {log}:\n  " + "\n  ".join(tail), flush=True)
-        return {}
-    return json.loads(lines[-1][len("RESULT "):])
+    """One measurement in a process of its own (benchmarks/stages.py): fresh GPU memory, its own peak."""
+    options = ["--out", args.out, "--workdir", args.workdir, "--shape", args.shape, "--seq-length", str(args.seq_length),
+               "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--samples", str(args.samples), f"--hybridlm-flags={args.hybridlm_flags}"]
+    return stages.run_stage(__file__, stage, options + (["--tiny"] if args.tiny else []), os.path.join(args.out, f"qlora-{stage}.log"))
 
 
 def describe(args) -> str:
@@ -229,18 +204,14 @@ def main(argv=None) -> int:
     if args.stage:
         paths = prepare(args, llama_config(args))
         result = {"hybridlm": stage_hybridlm, "peft": stage_peft}[args.stage](args, paths)
-        print("RESULT " + json.dumps(result), flush=True)
+        stages.report(result)
         return 0
     started = time.perf_counter()
     prepare(args, llama_config(args))
     print(f"model and data ready in {args.workdir} ({time.perf_counter() - started:.0f} s)", flush=True)
     results = {stage: run_stage(args, stage) for stage in args.only.split(",") if stage in STAGES}
-    with open(os.path.join(args.out, "qlora-results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print(table(results, args), flush=True)
-    if args.record_file:
-        for record in records_of(results, args, argv if argv is not None else sys.argv[1:]):
-            append(args.record_file, record)
+    stages.finish(results, os.path.join(args.out, "qlora-results.json"), table(results, args),
+                  lambda: records_of(results, args, argv if argv is not None else sys.argv[1:]), args.record_file)
     return 0
 
 

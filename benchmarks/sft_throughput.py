@@ -20,14 +20,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-from benchmarks.records import append, script_record  # noqa: E402
+from benchmarks import stages  # noqa: E402
+from benchmarks.records import script_record  # noqa: E402
 
 SHAPES = {
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -181,25 +181,11 @@ def stage_trl(args, paths: dict) -> dict:
                        packing=True, padding_free=True, max_length=args.seq_length, completion_only_loss=True, logging_steps=10**6,
                        save_strategy="no", report_to=[], dataloader_num_workers=0, gradient_checkpointing=False,
                        optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch", use_cpu=not torch.cuda.is_available())
-    counts, ends = [], []
-
-    class Timer(transformers.TrainerCallback):
-        """Optimizer step ends; a step's time runs from the previous end, so that it includes
-        fetching and collating its micro-batches, as hybridlm's iteration time does."""
-        def on_step_begin(self, *unused, **kwargs):
-            if not ends:
-                ends.append(synchronized_now())
-
-        def on_step_end(self, *unused, **kwargs):
-            ends.append(synchronized_now())
-
-    def synchronized_now():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
+    counts = []
+    clock, ends = stages.step_clock()
 
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                         callbacks=[Timer()])
+                         callbacks=[clock])
     collate, positions = trainer.data_collator, []
 
     def counting(examples):  # what each step trains on: loss tokens after the model's shift, positions
@@ -218,23 +204,12 @@ def stage_trl(args, paths: dict) -> dict:
 
 
 def run_stage(args, stage: str) -> dict:
-    """One measurement in a process of its own: fresh GPU memory, no state shared between frameworks."""
-    command = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--out", args.out, "--workdir", args.workdir,
-               "--seq-length", str(args.seq_length), "--micro-batch-size", str(args.micro_batch_size),
-               "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--samples", str(args.samples), "--pairs", str(args.pairs),
+    """One measurement in a process of its own (benchmarks/stages.py)."""
+    options = ["--out", args.out, "--workdir", args.workdir, "--seq-length", str(args.seq_length),
+               "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.global_batch_size),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--samples", str(args.samples), "--pairs", str(args.pairs),
                "--attention", args.attention, f"--hybridlm-flags={args.hybridlm_flags}", "--trl-attention", args.trl_attention]
-    command += ["--tiny"] if args.tiny else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    log = os.path.join(args.out, f"{stage}.log")
-    with open(log, "w") as f:
-        code = subprocess.call(command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    lines = [line for line in open(log) if line.startswith("RESULT ")]
-    if code != 0 or not lines:
-        tail = open(log).read().splitlines()[-8:]
-        print(f"[{stage}] failed (exit {code}); end of {log}:\n  " + "\n  ".join(tail), flush=True)
-        return {}
-    return json.loads(lines[-1][len("RESULT "):])
+    return stages.run_stage(__file__, stage, options + (["--tiny"] if args.tiny else []), os.path.join(args.out, f"{stage}.log"))
 
 
 def ratios(results: dict) -> tuple[float | None, float | None]:
@@ -305,7 +280,7 @@ def main(argv=None) -> int:
         paths = prepare(args)
         result = {"sft": lambda: stage_hybridlm(args, paths, "sft"), "pretrain": lambda: stage_hybridlm(args, paths, "pretrain"),
                   "trl": lambda: stage_trl(args, paths), "dpo": lambda: stage_dpo_reference(args, paths)}[args.stage]()
-        print("RESULT " + json.dumps(result), flush=True)
+        stages.report(result)
         return 0
     started = time.perf_counter()
     prepare(args)
@@ -315,13 +290,10 @@ def main(argv=None) -> int:
     saved = os.path.join(args.workdir, "results.json")
     results = json.load(open(saved)) if os.path.isfile(saved) else {}
     results.update({stage: run_stage(args, stage) for stage in args.only.split(",") if stage in STAGES})
-    for path in (saved, os.path.join(args.out, "results.json")):
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
-    print(table(results, args), flush=True)
-    if args.record_file:
-        for record in records_of(results, args, argv if argv is not None else sys.argv[1:]):
-            append(args.record_file, record)
+    with open(saved, "w") as f:
+        json.dump(results, f, indent=2)
+    stages.finish(results, os.path.join(args.out, "results.json"), table(results, args),
+                  lambda: records_of(results, args, argv if argv is not None else sys.argv[1:]), args.record_file)
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 
 from ..config import ConfigError
 from .hf_names import HF_CLASSES, export_architecture, hf_config, parameter_rules
-from .layout import resolve_tag_dir
+from .layout import resolve_tag_dir, staged_folder
 from .lora import MergedWeights, lora_scale, open_checkpoint
 from .tokenizer_files import write_tokenizer
 
@@ -121,12 +121,7 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
         log(f"note: trained with --moe-capacity-factor {cfg.moe_capacity_factor}; Mixtral is dropless, so its outputs "
             "differ wherever training would have dropped tokens")
 
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
+    with staged_folder(output) as staging:
         writer = ShardWriter(staging, max_bytes)
         for name in _progress(weights.names(), progress, f"export {os.path.basename(reader.tag_dir)}"):
             rule = rules[name]
@@ -142,12 +137,6 @@ def export_to_hf(checkpoint: str, output: str, *, dtype: Optional[str] = None, m
         hf.save_pretrained(staging)
         _add_legacy_rope_theta(os.path.join(staging, "config.json"))
         _write_generation_config(staging, eod, end_of_turn)
-        if os.path.isdir(output):
-            os.rmdir(output)  # empty, checked above
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     merged = f", LoRA adapters merged (scale {lora_scale(cfg):g})" if merge_lora else ""
     if merge_lora and cfg.quant_bits:
         merged += f" onto the 4-bit base dequantized ({cfg.quant_type}, quantized from {reader.base.tag_dir})"

@@ -12,10 +12,12 @@ shape and how TP and EP split it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
@@ -127,6 +129,26 @@ def fingerprint(tag_dir: str, sample: int = 1 << 20) -> str:
                 f.seek(max(sample, size - sample))
                 digest.update(f.read(sample))
     return digest.hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def staged_folder(output: str):
+    """A folder that becomes ``output`` only when the block completes: its files are written into a hidden
+    sibling that is moved into place at once, so a failed or interrupted export never leaves a half-written
+    ``output`` (which the caller has checked is absent or empty)."""
+    parent = os.path.dirname(os.path.abspath(output))
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        yield staging
+        if os.path.isdir(output):
+            os.rmdir(output)  # empty, checked by the caller
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def atomic_write_text(path: str, text: str) -> None:

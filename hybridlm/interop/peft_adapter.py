@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Callable, Optional
 
 import torch
@@ -22,7 +21,7 @@ from ..config import ConfigError
 from ..parallel.lora import is_adapter_name, lora_alpha
 from .export import DTYPES, check_output
 from .hf_names import GPT2, HF_CLASSES, export_architecture, parameter_rules
-from .layout import resolve_tag_dir
+from .layout import resolve_tag_dir, staged_folder
 from .reader import CheckpointReader
 
 CONFIG_FILE = "adapter_config.json"
@@ -80,24 +79,13 @@ def export_peft_adapter(checkpoint: str, output: str, *, dtype: Optional[str] = 
     if not cfg.lora_rank or not any(is_adapter_name(n) for n in reader.names()):
         raise ConfigError(f"--peft-adapter: --checkpoint {checkpoint} holds no LoRA adapters; export the model without it.")
     tensors, targets = peft_tensors(reader, DTYPES[dtype] if dtype else None)
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(output))}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    try:
+    with staged_folder(output) as staging:
         save_file(tensors, os.path.join(staging, WEIGHTS_FILE), metadata={"format": "pt"})
         with open(os.path.join(staging, CONFIG_FILE), "w") as f:
             json.dump(adapter_config(cfg, targets, base_model), f, indent=2)
             f.write("\n")
         for name in os.listdir(staging):
             os.chmod(os.path.join(staging, name), 0o644)
-        if os.path.isdir(output):
-            os.rmdir(output)  # empty, checked above
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     base = (f"the base loaded with quantization_config={bnb_config_line(cfg)}" if cfg.quant_bits
             else "the base model (the Hugging Face model the run's --load was imported from, or its convert_to_hf.py export)")
     log(f"exported the adapters of {reader.tag_dir} (rank {cfg.lora_rank}, alpha {lora_alpha(cfg):g}, on "
