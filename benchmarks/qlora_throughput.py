@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from benchmarks import stages  # noqa: E402
 from benchmarks.records import script_record  # noqa: E402
-from benchmarks.sft_throughput import TORCH_VARLEN, prepare, register_torch_varlen_attention  # noqa: E402
+from benchmarks.sft_throughput import TORCH_VARLEN, prepare, register_torch_varlen_attention, token_figures  # noqa: E402
 
 SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -166,9 +166,7 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
         if stage not in results:
             continue
         r = results[stage]
-        figures = {"loss tokens/s": f"{r['loss_tokens_per_sec']:,.0f}" if r.get("loss_tokens_per_sec") else "",
-                   "positions/s": f"{r['positions_per_sec']:,.0f}" if r.get("positions_per_sec") else "",
-                   "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else ""}
+        figures = token_figures(r)
         if stage == "hybridlm" and speedup(results) is not None:
             figures["hybridlm/PEFT"] = f"{speedup(results):.2f}x"
         label = describe(args) + (f", {args.hybridlm_flags}" if stage == "hybridlm" and args.hybridlm_flags else

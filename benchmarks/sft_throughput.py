@@ -297,6 +297,13 @@ def main(argv=None) -> int:
     return 0
 
 
+def token_figures(result: dict) -> dict:
+    """A fine-tuning stage's figures as the records show them (empty where the stage has none)."""
+    return {"loss tokens/s": f"{result['loss_tokens_per_sec']:,.0f}" if result.get("loss_tokens_per_sec") else "",
+            "positions/s": f"{result['positions_per_sec']:,.0f}" if result.get("positions_per_sec") else "",
+            "peak GiB": f"{result['peak_memory_gib']:.1f}" if result.get("peak_memory_gib") else ""}
+
+
 def records_of(results: dict, args, argv: list[str]) -> list[dict]:
     """The suite's records of one call: SFT, TRL and pretraining side by side (loss tokens/s, positions/s,
     peak memory), and DPO's reference pass; a run that failed is a failed record."""
@@ -315,9 +322,7 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
         if stage not in results:
             continue
         r = results[stage]
-        figures = {"loss tokens/s": f"{r['loss_tokens_per_sec']:,.0f}" if r.get("loss_tokens_per_sec") else "",
-                   "positions/s": f"{r['positions_per_sec']:,.0f}" if r.get("positions_per_sec") else "",
-                   "peak GiB": f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") else ""}
+        figures = token_figures(r)
         if stage == "sft" and versus_trl is not None:
             figures["hybridlm/TRL"] = f"{versus_trl:.2f}x"
         if stage == "sft" and versus_pretraining is not None:
