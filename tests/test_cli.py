@@ -69,13 +69,15 @@ def _assert_flops_count_every_token_once(path, world: int) -> None:
         assert record["tflops_per_gpu"] * 1e12 == pytest.approx(per_token * record["tokens_per_sec_per_gpu"])
 
 
-def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_per_rank():
+def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_and_no_traceback():
     started = time.monotonic()
     result = _launch(["--num_gpus", "2", "scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero2.json",
                       "--pipeline-model-parallel-size", "2"], timeout=120)
     assert result.returncode != 0
     sentence = "cannot be combined with --pipeline-model-parallel-size 2"
-    assert result.stderr.count(sentence) == 2, result.stderr[-2000:]  # one per rank
+    # Each rank validates before any process group and prints the sentence once; the launcher kills the
+    # other rank as soon as the first exits, so the second sentence may or may not make it out.
+    assert 1 <= result.stderr.count(sentence) <= 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 60
 
