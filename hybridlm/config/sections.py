@@ -97,6 +97,7 @@ class TrainConfig:
     manual_gc_interval: int = flag(0, "With --manual-gc: collect every N steps (0: only around evaluation).")
     empty_unused_memory_level: int = flag(0, "Release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after every step and every evaluation batch, 2 also after every micro-batch's backward (PP = 1).")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(None, "Every N steps (and after start-up) compare a hash of the weights across the replicas that must hold the same ones (DP x CP ranks of a TP/PP shard; expert-DP ranks of an expert shard) and stop, naming the ranks and the first parameter, if they differ (Megatron's flag; default: never).")
+    skip_memory_check: bool = flag(False, "Start even where the memory planner says the run cannot fit its GPU (otherwise refused at start-up, before any process group, when 85% of the planned peak is above the GPU's memory; LoRA and QLoRA runs are not checked).")
     grad_reduce_in_bf16: bool = flag(False, "Megatron reduces bf16 gradients in bf16 with it, in fp32 without; DeepSpeed's bf16 runs here reduce in bf16 either way (set data_types.grad_accum_dtype fp32 in the JSON for fp32).")
 
     def schedule_in_samples(self) -> tuple[float, float, Optional[float]]:

@@ -45,9 +45,11 @@ Full recompute keeps each layer's input (e h, split over TP by SP or DeepSpeed's
 activations) and rebuilds one layer at a time in backward; selective recompute rebuilds the
 attention kernel (its output is not kept). Under 1F1B the first stage has min(PP, micro-batches)
 micro-batches in flight. The last stage adds the cross-entropy over V/t of the vocabulary: at its
-peak the logits (e), their fp32 copy (bf16 runs), the shifted logits and their exponentials (4 + 4),
-of which the softmax (4) stays for backward; DeepSpeed's pipeline engine also keeps the logits
-of the current and the previous micro-batch in its output buffers.
+peak the logits (e) and one fp32 buffer (4) that is shifted, exponentiated and normalised in place,
+the softmax that stays for backward; DeepSpeed's pipeline engine also keeps the logits of the
+current and the previous micro-batch in its output buffers. What one layer rebuilds in backward
+(recompute) and ring attention's K/V blocks exist only while that layer runs, never beside the
+logits; at long sequences the logits are the largest term by far.
 
 The peak is the largest of three moments of a step: the end of the last forward (all
 activations, the cross-entropy's peak), the start of backward (ZeRO-1/2 allocate their reduce
@@ -239,7 +241,16 @@ def local_tokens(cfg: ModelConfig, lay: Layout) -> float:
 
 def stage_activation_bytes(cfg: ModelConfig, lay: Layout, stage: int, *, backend: str, fused: bool,
                            recompute: Optional[str]) -> float:
-    """Activations of one stage's rank at the end of its last forward before a backward (its peak)."""
+    """Activations of one stage's rank at their largest: all it keeps, plus what one layer rebuilds or receives."""
+    kept, transient = stage_activation_parts(cfg, lay, stage, backend=backend, fused=fused, recompute=recompute)
+    return kept + transient
+
+
+def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend: str, fused: bool,
+                           recompute: Optional[str]) -> tuple[float, float]:
+    """(kept, transient): what one stage's rank keeps at the end of its last forward before a backward,
+    and what exists only while one layer runs (the layer recompute rebuilds in backward, the ring's
+    K/V blocks), which the last stage's logits never meet: they are gone before a layer's backward."""
     e = 2 if lay.bf16 else 4
     t = lay.tp
     sp = lay.sequence_parallel and t > 1
@@ -263,16 +274,22 @@ def stage_activation_bytes(cfg: ModelConfig, lay: Layout, stage: int, *, backend
     # The embedding output (the first layer's input) stays with the first layer's norm (fp32 runs) and
     # DeepSpeed's pipeline keeps each in-flight micro-batch's stage input and output.
     pipe_buffers = 2 * e * cfg.hidden_size * tokens / (t if sp else 1) if lay.pp > 1 else 0.0
-    return in_flight * (micro + pipe_buffers) + rebuilding + ring
+    return in_flight * (micro + pipe_buffers), rebuilding + ring
 
 
 def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
     """The output layer and the vocab-parallel cross-entropy on the last stage: (peak in forward,
-    kept into backward). The head sees the full sequence (gathered under SP)."""
+    kept into backward). The head sees the full sequence (gathered under SP).
+
+    The cross-entropy (``tensor_parallel._VocabParallelCrossEntropy``) shifts, exponentiates and
+    normalises in one fp32 buffer: in bf16 its own fp32 copy beside the bf16 logits (2 + 4 bytes an
+    entry), in fp32 the shifted logits beside the logits (4 + 4). That buffer, the softmax, is kept and
+    becomes the gradient in place; a bf16 run casts it for the head's backward (4 + 2). TP=1 with
+    --torch-compile computes a compiled cross-entropy, counted here as this one."""
     e = 2 if lay.bf16 else 4
     vocab = cfg.pad_vocab(lay.tp) / lay.tp
     tokens = local_tokens(cfg, lay)
-    forward = e + (4 if lay.bf16 else 0) + 4 + 4  # logits, their fp32 copy, shifted, exp (-> the softmax)
+    forward = e + 4  # the logits and the one fp32 buffer (a copy in bf16, the shifted logits in fp32)
     backward = 4 + (e if lay.bf16 else 0)  # the softmax (becomes the gradient) and its cast to bf16
     if lay.pp > 1:
         # DeepSpeed's pipeline engine keeps the last stage's outputs (the logits) in its buffers until
@@ -349,7 +366,8 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
             x = model_states(expert, replace(lay, dp=max(1, lay.data // lay.ep), cp=1))
             for name in ("params", "optimizer", "grads_kept", "grads_end", "step_extra"):
                 setattr(s, name, getattr(s, name) + getattr(x, name))
-        acts = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=lay.recompute)
+        kept, transient = stage_activation_parts(cfg, lay, stage, backend=backend, fused=fused, recompute=lay.recompute)
+        acts = kept + transient
         plain = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=None)
         last = stage == lay.pp - 1
         logits_fwd, logits_bwd = logits_bytes(cfg, lay) if last else (0.0, 0.0)
@@ -363,10 +381,14 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
         # from the first backward on, and ZeRO-1/2 reduce them only once the pipeline is drained.
         grads_fwd = max(s.grads_kept, s.grads_end) if lay.pp > 1 else s.grads_kept
         bucket_bwd = 0.0 if lay.pp > 1 else s.buffers_backward
+        # A layer's transient activations (recompute, ring blocks) and the logits never coexist: the
+        # head's forward and backward run before and after every layer's, not inside one.
         moments = {
-            "forward": dict(gradients=grads_fwd, buffers=s.buffers_kept + gathered, activations=acts, logits=logits_fwd),
+            "forward": dict(gradients=grads_fwd, buffers=s.buffers_kept + gathered, activations=kept + (0.0 if last else transient),
+                            logits=logits_fwd),
             "backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered,
-                             activations=acts, logits=logits_bwd),
+                             **(dict(activations=kept + transient, logits=0.0) if transient > logits_bwd
+                                else dict(activations=kept, logits=logits_bwd))),
             "step": dict(gradients=max(s.grads_kept, s.grads_end), buffers=s.buffers_kept + s.buffers_backward + s.step_extra,
                          activations=0.0, logits=0.0),
         }

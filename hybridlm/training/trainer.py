@@ -37,6 +37,7 @@ from ..parallel.moe import end_moe_step, set_aux_loss_scale
 from ..parallel.plan import LayerFactory, LocalOps, ModelGroups
 from ..parallel.random import seed_everything
 from ..parallel.state import ParallelState
+from ..planner.fit import check_fits, checked, device_memory_bytes
 from . import checkpoint
 from .distributed import device, init_distributed, on_gpu
 from .ds_config import (adopt_ds_config, check_gradient_accumulation_fusion, finalize_ds_config, model_dtype, offload_device,
@@ -89,6 +90,9 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
                           "captured graphs with offloaded ZeRO state have not been checked.")
     if cfg.model.gradient_accumulation_fusion:
         check_gradient_accumulation_fusion(ds, cfg, offloaded)
+    device_bytes = device_memory_bytes()
+    if device_bytes is not None and checked(cfg):
+        check_fits(cfg, ds, device_bytes)
     return cfg, ds
 
 
