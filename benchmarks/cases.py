@@ -146,6 +146,8 @@ CASES = (
     _long("ref-seq128k", 131072),  # the per-GPU figure CP=2 compares with
     _long("ref-seq192k", 196608, probe=True),
     _long("ref-seq256k", 262144, probe=True),
+    _long("ref-cp2-seq128k-p2p", 131072, cp=2, peers=("megatron-lm",)),  # fits two H100s (25 GiB a GPU)
+    _long("ref-cp2-seq128k-a2a", 131072, cp=2, comm="a2a", peers=("megatron-lm",)),
     _long("ref-cp2-seq256k-p2p", 262144, cp=2, peers=("megatron-lm",)),
     _long("ref-cp2-seq256k-a2a", 262144, cp=2, comm="a2a", peers=("megatron-lm",)),
     Case("cp2-same-weights", "long-context", "CP test model (d256 L4, seq 1024, constant lr 1e-3): the same weights and batch on "
@@ -154,6 +156,10 @@ CASES = (
                   "loss 16 of each trajectory")),
     _long("ref-cp2-seq384k", 393216, cp=2, probe=True),
     _long("ref-cp2-seq512k", 524288, cp=2, probe=True),
+    _long("ref-cp4-seq256k-p2p", 262144, cp=4, peers=("megatron-lm",)),  # 256K on four H100s: two H200s' load per GPU
+    _long("ref-cp4-seq256k-a2a", 262144, cp=4, comm="a2a", peers=("megatron-lm",)),
+    _long("ref-cp4-seq512k", 524288, cp=4, probe=True),  # planned 40.3 GiB a GPU
+    _long("ref-cp4-seq1m", 1048576, cp=4, probe=True),  # planned 74.3 GiB a GPU: H200s, the edge of H100s
     # MoE
     Case("moe-1gpu", "moe", "Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
          flags=MIXTRAL_2L, peers=("megatron-lm",), timeout_s=300),
