@@ -1,5 +1,6 @@
 """Test-session set-up: CPU DeepSpeed, one thread per rank, and the repo importable."""
 import os
+import subprocess
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -18,3 +19,24 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402,F401
 
 import hybridlm.training.trainer  # noqa: E402,F401
+
+
+def pytest_collection_finish(session):
+    """Start the DeepSpeed op builds that collected tests name (``@pytest.mark.ops_build(deepspeed="AsyncIOBuilder")``)
+    in the background at the lowest CPU priority. async_io compiles for ~3 minutes on CI's two cores; started
+    here it uses the cycles the earlier tests leave idle, and the test that loads it waits on torch's build lock
+    (and finds the build done) instead of compiling in its own time."""
+    builders = {mark.kwargs["deepspeed"] for item in session.items for mark in item.iter_markers("ops_build")
+                if "deepspeed" in mark.kwargs}
+    code = "; ".join(["from deepspeed.ops import op_builder"] +
+                     [f"op_builder.{name}().is_compatible(False) and op_builder.{name}().load(verbose=False)" for name in sorted(builders)])
+    if builders:
+        session.config._background_build = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
+                                                             stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+
+
+def pytest_sessionfinish(session):
+    """Let a background build finish (a build killed half way leaves torch's lock behind, and the next load waits on it)."""
+    build = getattr(session.config, "_background_build", None)
+    if build is not None:
+        build.wait(timeout=900)

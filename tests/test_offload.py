@@ -28,7 +28,7 @@ def test_zero3_with_cpu_offload_of_parameters_and_optimizer_trains():
     assert result["losses"][-1] < result["losses"][0]
 
 
-@pytest.mark.ops_build
+@pytest.mark.ops_build(deepspeed="AsyncIOBuilder")  # conftest.py starts this build when the suite starts
 @pytest.mark.skipif(ctypes.util.find_library("aio") is None, reason="libaio (Debian: libaio-dev) is not installed")
 def test_zero3_with_nvme_offload_swaps_to_disk_and_trains(tmp_path):
     # Partitions under 1 MiB are kept in memory by DeepSpeed, so the model is wide enough to swap.
