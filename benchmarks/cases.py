@@ -87,13 +87,18 @@ PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval",
 PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
 
 
-def _long(name: str, seq: int, cp: int = 1, comm: str = "p2p", probe: bool = False, **kw) -> Case:
+def _long(name: str, seq: int, cp: int = 1, comm: str = "p2p", probe: bool = False, mlp_recompute: bool = False, **kw) -> Case:
     """The reference at ``seq`` tokens per sample, on one GPU or with CP over ``cp`` GPUs; a ``probe``
-    only asks whether that length trains (two timed steps)."""
+    only asks whether that length trains (two timed steps); ``mlp_recompute`` rebuilds the MLP
+    sub-blocks (selective recompute) instead of whole layers."""
     where = f"{cp} GPUs, CP={cp} {comm}" if cp > 1 else "1 GPU"
     flags = LONG + ("--seq-length", str(seq)) + (("--context-parallel-size", str(cp), "--cp-comm-type", comm) if cp > 1 else ())
+    label = L_LONG
+    if mlp_recompute:
+        flags += ("--recompute-granularity", "selective", "--recompute-modules", "mlp")  # the later flag wins
+        label = L_LONG.replace("full recompute", "selective recompute of the MLPs")
     timing = dict(steps=2, warmup=1, expected_s=180, timeout_s=300) if probe else dict(steps=4, warmup=2, expected_s=240, timeout_s=360)
-    return Case(name, "long-context", f"{where}, seq {seq}, {L_LONG}", gpus=cp, flags=flags, **timing, **kw)
+    return Case(name, "long-context", f"{where}, seq {seq}, {label}", gpus=cp, flags=flags, **timing, **kw)
 
 
 def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference") -> Case:
@@ -148,6 +153,7 @@ CASES = (
     _long("ref-seq256k", 262144, probe=True),
     _long("ref-cp2-seq128k-p2p", 131072, cp=2, peers=("megatron-lm",)),  # fits two H100s (25 GiB a GPU)
     _long("ref-cp2-seq128k-a2a", 131072, cp=2, comm="a2a", peers=("megatron-lm",)),
+    _long("ref-cp2-seq128k-p2p-mlp-recompute", 131072, cp=2, mlp_recompute=True),  # planned 69.9 GiB a GPU
     _long("ref-cp2-seq256k-p2p", 262144, cp=2, peers=("megatron-lm",)),
     _long("ref-cp2-seq256k-a2a", 262144, cp=2, comm="a2a", peers=("megatron-lm",)),
     Case("cp2-same-weights", "long-context", "CP test model (d256 L4, seq 1024, constant lr 1e-3): the same weights and batch on "
@@ -158,6 +164,7 @@ CASES = (
     _long("ref-cp2-seq512k", 524288, cp=2, probe=True),
     _long("ref-cp4-seq256k-p2p", 262144, cp=4, peers=("megatron-lm",)),  # 256K on four H100s: two H200s' load per GPU
     _long("ref-cp4-seq256k-a2a", 262144, cp=4, comm="a2a", peers=("megatron-lm",)),
+    _long("ref-cp4-seq256k-p2p-mlp-recompute", 262144, cp=4, mlp_recompute=True),  # planned 67.3 GiB a GPU
     _long("ref-cp4-seq512k", 524288, cp=4, probe=True),  # planned 40.3 GiB a GPU
     _long("ref-cp4-seq1m", 1048576, cp=4, probe=True),  # planned 74.3 GiB a GPU: H200s, the edge of H100s
     # MoE

@@ -103,3 +103,26 @@ def test_bad_yaml_run_file_is_one_sentence(tmp_path, text, sentence):
     run_file.write_text(text)
     with pytest.raises(ConfigError, match=sentence.replace("[", r"\[")):
         parse_args(["--config", str(run_file)])
+
+
+@pytest.mark.parametrize("flags, modules, note", [
+    (["--recompute-granularity", "selective"], ["core_attn"], None),  # Megatron-LM's default
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "core_attn", "mlp"], ["mlp", "core_attn"], None),
+    (["--recompute-granularity", "selective", "--recompute-modules"], [], None),  # selective, nothing named: nothing rebuilt
+    (["--recompute-granularity", "full", "--recompute-modules", "mlp"], [], "--recompute-modules mlp does nothing without"),
+])
+def test_recompute_modules_take_megatrons_default_and_apply_to_selective_recompute_only(flags, modules, note):
+    cfg = parse_args(flags).validate(1)
+    assert cfg.parallel.recompute_modules == modules
+    assert (note is None and not cfg.notes) or any(n.startswith(note) for n in cfg.notes)
+
+
+@pytest.mark.parametrize("name, sentence", [
+    ("moe", "--recompute-modules moe: Megatron-LM's recompute of that part is not implemented here; hybridlm recomputes core_attn, mlp."),
+    ("layernorm", "--recompute-modules layernorm: Megatron-LM's recompute of that part is not implemented here"),
+    ("attention", "--recompute-modules attention: unknown module; hybridlm recomputes core_attn, mlp."),
+])
+def test_recompute_modules_hybridlm_does_not_rebuild_are_refused_by_name(name, sentence):
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--recompute-granularity", "selective", "--recompute-modules", name]).validate(1)
+    assert str(refused.value).startswith(sentence)

@@ -92,6 +92,8 @@ def test_gpt2_variant_with_biases_under_tp_and_sp_matches_single_process():
     pytest.param(["--recompute-granularity", "full"], id="full_partitioned_activations"),
     pytest.param(["--recompute-granularity", "full", "--recompute-num-layers", "1", "--sequence-parallel"], id="full_one_layer_sp"),
     pytest.param(["--recompute-granularity", "selective"], id="selective"),
+    pytest.param(["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "--sequence-parallel"],
+                 id="selective_attention_and_mlp_sp"),
 ])
 def test_activation_recompute_under_tp_matches_single_process(recompute):
     assert_matches(reference(), parallel(2, TP2 + recompute, "zero1"))

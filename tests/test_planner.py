@@ -66,6 +66,21 @@ def test_at_long_sequences_the_in_place_cross_entropy_is_planned_within_15_perce
     assert abs(planned / measured - 1) < 0.15, f"planned {planned / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"
 
 
+MLP_HEAVY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "768",
+             "--seq-length", "512", "--vocab-size", "512", "--micro-batch-size", "8", *LLAMA_BLOCK, "--train-iters", "2",
+             "--log-interval", "1", "--lr-warmup-iters", "0"]
+
+
+def test_recomputing_the_mlp_frees_what_the_planner_says_it_frees(tmp_path):
+    # --recompute-modules mlp keeps each MLP sub-block's input instead of its norm, fc1 input and
+    # SwiGLU tensors: on this MLP-heavy model that is most of a layer's activations.
+    kept, _ = run_ranks(1, _measured_and_planned, MLP_HEAVY + _json(tmp_path, 0, 2e6))[0]
+    rebuilt, planned = run_ranks(1, _measured_and_planned, MLP_HEAVY + _json(tmp_path, 0, 2e6) + [
+        "--recompute-granularity", "selective", "--recompute-modules", "mlp"])[0]
+    assert rebuilt < 0.85 * kept, f"recomputing the MLP freed too little: {rebuilt / 2**20:.1f} vs {kept / 2**20:.1f} MiB"
+    assert abs(planned / rebuilt - 1) < 0.15, f"planned {planned / 2**20:.1f} MiB, measured {rebuilt / 2**20:.1f} MiB"
+
+
 def _reference_run(seq: int, cp: int, *extra: str):
     from hybridlm.config import parse_args
     from hybridlm.training.trainer import prepare_config

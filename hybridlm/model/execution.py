@@ -5,7 +5,7 @@ The blocks (``gpt.py``) hold only their arithmetic. How they run is decided here
 then compile):
 
   1. the layer context (Transformer Engine's FP8 autocast) around each step, when the model is built;
-  2. activation recompute: selective (``apply_selective_recompute``: the attention core) or full
+  2. activation recompute: selective (``apply_selective_recompute``: the attention core, the MLP) or full
      (``apply_recompute``: a layer, or a unit of consecutive layers, keeps only its input);
   3. compile (``compile_layers``): each layer's arithmetic, or only the pieces between its GEMMs when
      those belong to another library;
@@ -123,12 +123,17 @@ def apply_recompute(model: nn.Module, num_layers: int | None, method: str | None
     return len(units)
 
 
-def apply_selective_recompute(model: nn.Module, checkpoint: Callable = recompute_in_backward) -> None:
-    """Selective recompute (``--recompute-granularity selective``): each layer's attention core
-    (what lies between the QKV projection and the output projection, after RoPE) keeps only its
-    inputs and runs again in backward."""
+def apply_selective_recompute(model: nn.Module, modules=("core_attn",), checkpoint: Callable = recompute_in_backward) -> None:
+    """Selective recompute (``--recompute-granularity selective --recompute-modules ...``): the named parts
+    of each layer keep only their inputs and run again in backward. ``core_attn``: the attention core
+    (what lies between the QKV projection and the output projection, after RoPE), whose tensors are large
+    and cheap to rebuild at short sequences; ``mlp``: a dense layer's norm and MLP, which at long
+    sequences keep more than attention does and cost far less to rebuild than attention."""
     for layer in model.layer_steps.layers:
-        layer.attention.attend = Recomputed(layer.attention.attend, layer.attention, checkpoint)
+        if "core_attn" in modules:
+            layer.attention.attend = Recomputed(layer.attention.attend, layer.attention, checkpoint)
+        if "mlp" in modules and isinstance(layer.mlp, MLP):
+            layer.feed_forward = Recomputed(layer.feed_forward, layer, checkpoint)
 
 
 def gemms_outside_graphs(layer: TransformerLayer) -> bool:

@@ -43,7 +43,8 @@ data-parallel replica: states are partitioned over DP x CP.
 
 Full recompute keeps each layer's input (e h, split over TP by SP or DeepSpeed's partitioned
 activations) and rebuilds one layer at a time in backward; selective recompute rebuilds the
-attention kernel (its output is not kept). Under 1F1B the first stage has min(PP, micro-batches)
+attention kernel (its output is not kept) and, with --recompute-modules mlp, a dense layer's norm
+and MLP sub-block, which then keeps only its input. Under 1F1B the first stage has min(PP, micro-batches)
 micro-batches in flight. The last stage adds the cross-entropy over V/t of the vocabulary: at its
 peak the logits (e) and one fp32 buffer (4) that is shifted, exponentiated and normalised in place,
 the softmax that stays for backward; DeepSpeed's pipeline engine also keeps the logits of the
@@ -80,6 +81,7 @@ class Layout:
     zero: int = 0
     sequence_parallel: bool = False
     recompute: Optional[str] = None  # "full", "selective" or None
+    recompute_modules: tuple = ("core_attn",)  # with "selective": what is rebuilt (--recompute-modules)
     micro_batch_size: int = 1
     grad_accum: int = 1  # micro-batches per optimizer step per DP rank
     bf16: bool = True
@@ -112,7 +114,9 @@ class Layout:
         if self.sequence_parallel:
             parts.append("SP")
         if self.recompute:
-            parts.append(f"rc-{self.recompute}")
+            modules = "" if self.recompute != "selective" or self.recompute_modules == ("core_attn",) else \
+                f"({'+'.join(self.recompute_modules)})"
+            parts.append(f"rc-{self.recompute}{modules}")
         if self.offload_optimizer or self.offload_params:
             parts.append("offload-" + ("params+opt" if self.offload_params else "opt"))
         return " ".join(parts)
@@ -195,19 +199,19 @@ def stage_parameters(cfg: ModelConfig, lay: Layout, stage: int) -> tuple[int, in
 
 # ---------------------------------------------------------------- activations
 
-def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
-                                     fused: bool = False, layer: int = 0) -> float:
-    """Bytes autograd keeps for one transformer layer per token of a micro-batch (no recompute)."""
+def layer_activation_parts(cfg: ModelConfig, lay: Layout, backend: str = "sdpa", fused: bool = False,
+                           layer: int = 0) -> tuple[float, float]:
+    """Bytes autograd keeps for one transformer layer per token of a micro-batch (no recompute), as
+    (the attention sub-block's, the MLP sub-block's): what selective recompute of either frees."""
     e = 2 if lay.bf16 else 4
     t = lay.tp
     sp = lay.sequence_parallel and t > 1
     h, d = cfg.hidden_size, cfg.kv_channels
     A, G = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    # Norms: the fp32 input (fp32 runs: the input itself) and the normalised tensor (reference
-    # kernel), or the input only (fused kernel); divided over TP under SP.
-    norm_kept = e if fused else (4 + e)
-    norms = 2 * norm_kept * h / (t if sp else 1)
-    linear_inputs = 2 * e * h  # QKV's and fc1's inputs: full sequence even under SP (gathered)
+    # Each sub-block's norm: the fp32 input (fp32 runs: the input itself) and the normalised tensor
+    # (reference kernel), or the input only (fused kernel); divided over TP under SP.
+    norm = (e if fused else (4 + e)) * h / (t if sp else 1)
+    linear_input = e * h  # QKV's and fc1's inputs: full sequence even under SP (gathered)
     if backend == "cudnn" and G != A:
         attention = e * 5 * A / t  # q, k and v repeated to every head, the output, the projection input
     elif backend == "flash":
@@ -224,8 +228,27 @@ def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str
     else:
         f, router = cfg.ffn_hidden_size, 0
     mlp = e * (3 if fused else 4) * f / t if cfg.swiglu else e * 2 * f / t
-    dropout = (2 * h / (t if sp else 1) if cfg.hidden_dropout else 0) + (1 * A / t if cfg.attention_dropout else 0)
-    return norms + linear_inputs + attention + mlp + router + dropout
+    residual_dropout = h / (t if sp else 1) if cfg.hidden_dropout else 0  # a byte mask per sub-block
+    attention_dropout = A / t if cfg.attention_dropout else 0
+    return (norm + linear_input + attention + attention_dropout + residual_dropout,
+            norm + linear_input + mlp + router + residual_dropout)
+
+
+def layer_backward_bytes_per_token(cfg: ModelConfig, lay: Layout, layer: int = 0) -> float:
+    """The largest gradient a layer's backward allocates beside its saved tensors, per token: the MLP's
+    fc1 output gradient (2f wide with SwiGLU; k rows of the expert width per token in an MoE layer)."""
+    e = 2 if lay.bf16 else 4
+    if cfg.is_moe_layer(layer):
+        f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
+    else:
+        f = cfg.ffn_hidden_size
+    return e * (2 if cfg.swiglu else 1) * f / lay.tp
+
+
+def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
+                                     fused: bool = False, layer: int = 0) -> float:
+    """Bytes autograd keeps for one transformer layer per token of a micro-batch (no recompute)."""
+    return sum(layer_activation_parts(cfg, lay, backend, fused, layer))
 
 
 def ring_buffer_bytes_per_token(cfg: ModelConfig, lay: Layout) -> float:
@@ -250,7 +273,8 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
                            recompute: Optional[str]) -> tuple[float, float]:
     """(kept, transient): what one stage's rank keeps at the end of its last forward before a backward,
     and what exists only while one layer runs (the layer recompute rebuilds in backward, the ring's
-    K/V blocks), which the last stage's logits never meet: they are gone before a layer's backward."""
+    K/V blocks, the gradients its backward allocates), which the last stage's logits never meet: they
+    are gone before a layer's backward."""
     e = 2 if lay.bf16 else 4
     t = lay.tp
     sp = lay.sequence_parallel and t > 1
@@ -264,17 +288,27 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
         kept = e * cfg.hidden_size * tokens / (t if t > 1 else 1)
         micro, rebuilding = kept * len(layers), max(per_layer, default=0.0)
     elif recompute == "selective":
-        # the attention kernel's output is rebuilt in backward instead of kept
+        # core_attn: the attention kernel's output is rebuilt in backward instead of kept; mlp: a dense
+        # layer's sub-block keeps only its input (the residual stream, split over TP by SP) and is rebuilt whole
         A = cfg.num_attention_heads * cfg.kv_channels
-        saved = (e * A / t) * tokens if backend != "flash" else 0.0
-        micro, rebuilding = sum(per_layer) - saved * len(layers), saved
+        attention_output = (e * A / t) * tokens if backend != "flash" and "core_attn" in lay.recompute_modules else 0.0
+        micro, rebuilding = 0.0, 0.0
+        for n, full in zip(layers, per_layer):
+            keep, rebuilt = full - attention_output, attention_output
+            if "mlp" in lay.recompute_modules and not cfg.is_moe_layer(n):
+                mlp_block = layer_activation_parts(cfg, lay, backend, fused, n)[1] * tokens
+                keep += e * cfg.hidden_size * tokens / (t if sp else 1) - mlp_block
+                rebuilt = max(rebuilt, mlp_block)
+            micro, rebuilding = micro + keep, max(rebuilding, rebuilt)
     else:
         micro, rebuilding = sum(per_layer), 0.0
     in_flight = min(lay.pp - stage, lay.grad_accum) if lay.pp > 1 else 1
     # The embedding output (the first layer's input) stays with the first layer's norm (fp32 runs) and
     # DeepSpeed's pipeline keeps each in-flight micro-batch's stage input and output.
     pipe_buffers = 2 * e * cfg.hidden_size * tokens / (t if sp else 1) if lay.pp > 1 else 0.0
-    return in_flight * (micro + pipe_buffers), rebuilding + ring
+    # a layer's backward allocates gradients as large as its widest activations while they are still kept
+    gradients = max((layer_backward_bytes_per_token(cfg, lay, n) for n in layers), default=0.0) * tokens
+    return in_flight * (micro + pipe_buffers), rebuilding + ring + gradients
 
 
 def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
@@ -384,8 +418,7 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
         # A layer's transient activations (recompute, ring blocks) and the logits never coexist: the
         # head's forward and backward run before and after every layer's, not inside one.
         moments = {
-            "forward": dict(gradients=grads_fwd, buffers=s.buffers_kept + gathered, activations=kept + (0.0 if last else transient),
-                            logits=logits_fwd),
+            "forward": dict(gradients=grads_fwd, buffers=s.buffers_kept + gathered, activations=kept, logits=logits_fwd),
             "backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered,
                              **(dict(activations=kept + transient, logits=0.0) if transient > logits_bwd
                                 else dict(activations=kept, logits=logits_bwd))),
@@ -429,5 +462,6 @@ def layout_from_run(cfg, ds: dict) -> Layout:
     p, t = cfg.parallel, cfg.train
     return Layout(tp=p.tensor_model_parallel_size, pp=p.pipeline_model_parallel_size, dp=p.data_parallel_size,
                   ep=p.expert_model_parallel_size, cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
-                  recompute=p.recompute_granularity, micro_batch_size=t.micro_batch_size,
+                  recompute=p.recompute_granularity, recompute_modules=tuple(p.recompute_modules or ()),
+                  micro_batch_size=t.micro_batch_size,
                   grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, **ds_settings(ds))

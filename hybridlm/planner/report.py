@@ -68,8 +68,9 @@ def _typed(extra: list[str]) -> set[str]:
 
 
 def _constraint(run, typed: set[str]):
-    """Layout flags given after -- pin the candidates: TP, PP, EP, SP, recompute, and a DeepSpeed
-    JSON (its ZeRO stage, bucket sizes and offload). None when nothing is pinned."""
+    """Layout flags given after -- pin the candidates: TP, PP, EP, SP, recompute (and with selective
+    recompute its modules), and a DeepSpeed JSON (its ZeRO stage, bucket sizes and offload). None when
+    nothing is pinned."""
     p = run.parallel
     pinned = {"tp": p.tensor_model_parallel_size if "tensor_model_parallel_size" in typed else None,
               "pp": p.pipeline_model_parallel_size if "pipeline_model_parallel_size" in typed else None,
@@ -81,7 +82,8 @@ def _constraint(run, typed: set[str]):
     if "recompute_granularity" in typed:
         pinned["recompute"] = p.recompute_granularity  # None too: "no recompute" pins as well
     settings = ds_settings(read_ds_config(run.train.deepspeed_config)) if "deepspeed_config" in typed else None
-    if not pinned and settings is None:
+    modules = tuple(p.recompute_modules or ()) if "recompute_modules" in typed else None
+    if not pinned and settings is None and modules is None:
         return None
 
     def constrain(lay: Layout) -> Optional[Layout]:
@@ -89,6 +91,8 @@ def _constraint(run, typed: set[str]):
             return None
         if "sequence_parallel" in pinned:
             lay = replace(lay, sequence_parallel=pinned["sequence_parallel"] and lay.tp > 1)
+        if modules is not None and lay.recompute == "selective":
+            lay = replace(lay, recompute_modules=modules)
         if settings is not None:
             if lay.zero != settings["zero"] or lay.offload_optimizer or lay.offload_params:
                 return None

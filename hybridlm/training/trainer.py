@@ -207,7 +207,7 @@ def apply_execution_policy(cfg: RunConfig, model, reducer: LossReducer) -> None:
     if p.recompute_granularity == "full":
         apply_recompute(model, p.recompute_num_layers, p.recompute_method)
     if p.recompute_granularity == "selective":
-        apply_selective_recompute(model)
+        apply_selective_recompute(model, p.recompute_modules)
     if cfg.model.torch_compile:
         compile_layers(model)
         reducer.compile()
