@@ -47,8 +47,8 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results)
     os._exit(0)
 
 
-def _start(world: int, fn: Callable, args: tuple):
-    ctx = mp.get_context("fork")
+def _start(world: int, fn: Callable, args: tuple, start_method: str = "fork"):
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
@@ -57,9 +57,13 @@ def _start(world: int, fn: Callable, args: tuple):
     return procs, results
 
 
-def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0) -> list[Any]:
-    """Call ``fn(*args)`` on ``world`` forked ranks; return their results ordered by rank."""
-    procs, results = _start(world, fn, args)
+def run_ranks(world: int, fn: Callable, *args, timeout: float = 180.0, start_method: str = "fork") -> list[Any]:
+    """Call ``fn(*args)`` on ``world`` forked ranks; return their results ordered by rank.
+
+    ``start_method="spawn"``: fresh interpreters instead (``fn`` importable by name), for ranks that use
+    CUDA. A forked child cannot: the test process has already asked ``torch.cuda.is_available()``
+    (conftest.py), which initialises the CUDA driver and so "poisons fork" (torch's own note on it)."""
+    procs, results = _start(world, fn, args, start_method)
     outcomes: dict[int, tuple] = {}
     deadline = time.monotonic() + timeout
     try:

@@ -347,7 +347,8 @@ def test_qlora_on_cuda_equals_peft_on_transformers_4bit_base(base, tmp_path, pre
     from hybridlm.interop.peft_adapter import export_peft_adapter
     run_dir = str(tmp_path / "run")
     flags = sft_flags(base, base[1], 2, run_dir) + (["--bf16"] if precision == "bf16" else [])
-    ours = run_ranks(1, qlora_run, flags, 2, True, timeout=600)[0]
+    # a spawned rank: a forked one cannot use CUDA once the test process has asked torch.cuda.is_available()
+    ours = run_ranks(1, qlora_run, flags, 2, True, timeout=600, start_method="spawn")[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     hf4 = bnb_model(base[0], "cuda", dtype)
     from bitsandbytes.functional import dequantize_4bit
