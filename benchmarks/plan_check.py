@@ -6,7 +6,7 @@
 Each rank runs the real training (``hybridlm.training.trainer.pretrain``) inside
 ``hybridlm.planner.measure.PeakMemory`` (CUDA: ``max_memory_allocated``; CPU: the allocator's
 records under ``torch.profiler``); rank 0 prints the worst rank's peak, the planner's estimate
-for the same flags (``hybridlm.planner.memory.estimate``) and their ratio, and appends one record
+for the same flags (``hybridlm.planner.fit.planned_peak``) and their ratio, and appends one record
 to ``--record-file``. ``--reduce-bucket-size N`` runs with a copy of the DeepSpeed JSON whose
 gradient buckets hold N elements (the shipped 5e8 would otherwise dominate small CPU models).
 """
@@ -47,10 +47,9 @@ def main() -> int:
 
     from benchmarks.records import append, script_record
     from hybridlm.config import parse_args
-    from hybridlm.model.attention_backends import resolve_backend
-    from hybridlm.ops.select import DEFAULT_FUSED
+    from hybridlm.planner.fit import planned_peak
     from hybridlm.planner.measure import PeakMemory
-    from hybridlm.planner.memory import GIB, estimate, layout_from_run
+    from hybridlm.planner.memory import GIB
     from hybridlm.training.trainer import prepare_config, pretrain
 
     run_flags, bucket_json = list(flags), None
@@ -58,13 +57,7 @@ def main() -> int:
         bucket_json = _small_bucket_json(parse_args(flags).train.deepspeed_config, args.reduce_bucket_size)
         run_flags += ["--deepspeed_config", bucket_json]
     cfg, ds = prepare_config(parse_args(run_flags))
-    lay = layout_from_run(cfg, ds)
-    backend, _ = resolve_backend(cfg.model.attention_backend, cfg.model.attention_dropout)
-    names = cfg.model.fused_op_names()  # None: "auto", the device's default set
-    if names is None:
-        names = DEFAULT_FUSED.get("cuda" if torch.cuda.is_available() else "cpu", ())
-    fused = "rmsnorm" in names
-    predicted = estimate(cfg.model, lay, backend=backend, fused=fused)
+    predicted = planned_peak(cfg, ds, "cuda" if torch.cuda.is_available() else "cpu")
 
     with PeakMemory() as peak:
         pretrain(run_flags)

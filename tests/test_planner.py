@@ -24,10 +24,10 @@ SMALL = ["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "
 def _measured_and_planned(flags: list[str]) -> tuple[int, float]:
     from hybridlm.config import parse_args
     from hybridlm.planner.measure import PeakMemory
-    from hybridlm.planner.memory import estimate, layout_from_run
+    from hybridlm.planner.fit import planned_peak
     from hybridlm.training.trainer import prepare_config, pretrain
     cfg, ds = prepare_config(parse_args(flags))
-    planned = estimate(cfg.model, layout_from_run(cfg, ds), backend="sdpa").total
+    planned = planned_peak(cfg, ds, "cpu").total
     with PeakMemory() as peak:
         pretrain(flags)
     return peak.bytes, planned

@@ -37,10 +37,12 @@ def device_memory_bytes() -> Optional[int]:
 
 def planned_peak(cfg, ds: dict, device_type: str = "cuda") -> Breakdown:
     """The planner's peak for a validated RunConfig and its DeepSpeed JSON, with the attention kernel
-    and fused kernels this run will use on ``device_type``."""
+    and fused kernels this run will use on ``device_type`` ("cuda" or "cpu")."""
     m = cfg.model
     backend, _ = resolve_backend(m.attention_backend, m.attention_dropout, m.graphed_attention_shape,
                                  packing=m.packed_samples, half_precision=m.half_precision)
+    if device_type == "cpu" and backend == "sdpa" and m.attention_dropout:
+        backend = "math"  # torch's CPU flash kernel draws no dropout: SDPA falls back to its math kernel
     names = m.fused_op_names()
     fused = "rmsnorm" in (DEFAULT_FUSED.get(device_type, ()) if names is None else names)
     return estimate(m, layout_from_run(cfg, ds), backend=backend, fused=fused)

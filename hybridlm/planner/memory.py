@@ -52,10 +52,11 @@ current and the previous micro-batch in its output buffers. What one layer rebui
 (recompute) and ring attention's K/V blocks exist only while that layer runs, never beside the
 logits; at long sequences the logits are the largest term by far.
 
-The peak is the largest of three moments of a step: the end of the last forward (all
+The peak is the largest of four moments of a step: the end of the last forward (all
 activations, the cross-entropy's peak), the start of backward (ZeRO-1/2 allocate their reduce
-buckets; the softmax is still kept) and the end of backward (all gradients and the step's
-temporaries, no activations). Under PP the gradients exist from the first backward on, so they
+buckets; the softmax is still kept, or a layer's backward has begun), the first layer's backward
+(nearly every gradient exists, one layer's activations are left, rebuilt if recomputed) and the
+step (all gradients and the step's temporaries, no activations). Under PP the gradients exist from the first backward on, so they
 count at every moment. Checked against measured peaks of real runs with benchmarks/plan_check.py
 (benchmarks/RESULTS.md).
 """
@@ -220,6 +221,7 @@ def layer_activation_parts(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
         attention = e * (4 * A + 3 * G) / t  # QKV output (v view), rotated q, k, output, projection input
     else:  # torch SDPA as measured on CPU: QKV output, rotated q (or the output), rotated k, projection input
         attention = e * (3 * A + 3 * G) / t
+    attention += math_probabilities_bytes_per_token(cfg, lay, backend)
     if cfg.is_moe_layer(layer):
         f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
         # fp32 logits, probabilities, top-k bookkeeping; the k rows of each token into and out of the
@@ -234,15 +236,27 @@ def layer_activation_parts(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
             norm + linear_input + mlp + router + residual_dropout)
 
 
-def layer_backward_bytes_per_token(cfg: ModelConfig, lay: Layout, layer: int = 0) -> float:
-    """The largest gradient a layer's backward allocates beside its saved tensors, per token: the MLP's
-    fc1 output gradient (2f wide with SwiGLU; k rows of the expert width per token in an MoE layer)."""
+def math_probabilities_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str) -> float:
+    """SDPA's math kernel (``backend`` "math": a CPU run with attention dropout, which torch's CPU flash
+    kernel cannot draw) keeps each query's row of probabilities over the sequence's keys, before and
+    after dropout, and the dropout mask; the fused kernels keep none of them."""
+    if backend != "math" or not cfg.attention_dropout:
+        return 0.0
+    e = 2 if lay.bf16 else 4
+    return cfg.num_attention_heads / lay.tp * cfg.seq_length * (2 * e + 1)
+
+
+def layer_backward_bytes_per_token(cfg: ModelConfig, lay: Layout, layer: int = 0, backend: str = "sdpa") -> float:
+    """The largest gradients a layer's backward allocates beside its saved tensors, per token: the MLP's
+    fc1 output gradient (2f wide with SwiGLU; k rows of the expert width per token in an MoE layer), or
+    under the math kernel the gradients of the probabilities and of the scores."""
     e = 2 if lay.bf16 else 4
     if cfg.is_moe_layer(layer):
         f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
     else:
         f = cfg.ffn_hidden_size
-    return e * (2 if cfg.swiglu else 1) * f / lay.tp
+    probabilities = math_probabilities_bytes_per_token(cfg, lay, backend)
+    return max(e * (2 if cfg.swiglu else 1) * f / lay.tp, probabilities * 2 * e / (2 * e + 1))
 
 
 def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
@@ -291,7 +305,8 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
         # core_attn: the attention kernel's output is rebuilt in backward instead of kept; mlp: a dense
         # layer's sub-block keeps only its input (the residual stream, split over TP by SP) and is rebuilt whole
         A = cfg.num_attention_heads * cfg.kv_channels
-        attention_output = (e * A / t) * tokens if backend != "flash" and "core_attn" in lay.recompute_modules else 0.0
+        core = (e * A / t if backend != "flash" else 0.0) + math_probabilities_bytes_per_token(cfg, lay, backend)
+        attention_output = core * tokens if "core_attn" in lay.recompute_modules else 0.0
         micro, rebuilding = 0.0, 0.0
         for n, full in zip(layers, per_layer):
             keep, rebuilt = full - attention_output, attention_output
@@ -307,7 +322,7 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
     # DeepSpeed's pipeline keeps each in-flight micro-batch's stage input and output.
     pipe_buffers = 2 * e * cfg.hidden_size * tokens / (t if sp else 1) if lay.pp > 1 else 0.0
     # a layer's backward allocates gradients as large as its widest activations while they are still kept
-    gradients = max((layer_backward_bytes_per_token(cfg, lay, n) for n in layers), default=0.0) * tokens
+    gradients = max((layer_backward_bytes_per_token(cfg, lay, n, backend) for n in layers), default=0.0) * tokens
     return in_flight * (micro + pipe_buffers), rebuilding + ring + gradients
 
 
@@ -401,6 +416,7 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
             for name in ("params", "optimizer", "grads_kept", "grads_end", "step_extra"):
                 setattr(s, name, getattr(s, name) + getattr(x, name))
         kept, transient = stage_activation_parts(cfg, lay, stage, backend=backend, fused=fused, recompute=lay.recompute)
+        layer_count = len(stage_layers(cfg.num_layers, lay.pp)[stage])
         acts = kept + transient
         plain = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=None)
         last = stage == lay.pp - 1
@@ -422,6 +438,11 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
             "backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered,
                              **(dict(activations=kept + transient, logits=0.0) if transient > logits_bwd
                                 else dict(activations=kept, logits=logits_bwd))),
+            # the stage's first layer's backward: every other gradient exists by then, and of the kept
+            # activations only that layer's are left (under PP, the other micro-batches' too)
+            "first layer's backward": dict(gradients=max(s.grads_kept, s.grads_end), buffers=s.buffers_kept + bucket_bwd + gathered,
+                                           activations=(kept if lay.pp > 1 else kept / max(1, layer_count)) + transient,
+                                           logits=0.0),
             "step": dict(gradients=max(s.grads_kept, s.grads_end), buffers=s.buffers_kept + s.buffers_backward + s.step_extra,
                          activations=0.0, logits=0.0),
         }
