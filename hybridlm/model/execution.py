@@ -24,7 +24,7 @@ from torch import nn
 
 from ..parallel.random import recompute_in_backward
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from .gpt import MLP, TransformerLayer
+from .gpt import MLP, MoEMLP, TransformerLayer
 
 
 class InContext:
@@ -134,6 +134,8 @@ def apply_selective_recompute(model: nn.Module, modules=("core_attn",), checkpoi
             layer.attention.attend = Recomputed(layer.attention.attend, layer.attention, checkpoint)
         if "mlp" in modules and isinstance(layer.mlp, MLP):
             layer.feed_forward = Recomputed(layer.feed_forward, layer, checkpoint)
+        if "moe" in modules and isinstance(layer.mlp, MoEMLP):
+            layer.mlp.forward = Recomputed(layer.mlp.forward, layer.mlp, checkpoint)
 
 
 def gemms_outside_graphs(layer: TransformerLayer) -> bool:
