@@ -14,9 +14,7 @@ from .model import QUANT_BLOCK, ModelConfig
 from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")  # what --recompute-modules can name here
-# Megatron-LM's other modules (the MoE layer, output-discarding recompute of norms and activations, MLA, split
-# experts, overlap). "moe": a checkpointed MoE layer with sigmoid scores and seq_aux_loss drifted 4e-5 from the
-# plain run by the second step in tests (full recompute matches); refused until that is understood.
+# Megatron-LM's other modules (output-discarding recompute of norms and activations, MLA, split experts, overlap).
 MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mlp_act", "layernorm", "mla_up_proj", "pre_mlp", "shared_experts",
                                    "routed_experts", "a2a_overlap_attn", "a2a_overlap_post_attn", "a2a_overlap_mlp")
 

@@ -20,7 +20,7 @@ class ParallelConfig:
     recompute_granularity: Optional[str] = flag(None, "Activation recompute: whole layers or only core attention.", choices=("full", "selective"))
     recompute_method: Optional[str] = flag(None, "With full recompute: uniform (every group of --recompute-num-layers layers checkpointed as one unit) or block (the first --recompute-num-layers layers of each stage, one unit each) (default: every layer, one unit each).", choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = flag(None, "With full recompute: layers per unit (uniform) or layers recomputed per stage (block; without --recompute-method too) (default: all).")
-    recompute_modules: Optional[list] = flag(None, "With selective recompute: the parts of each layer that keep only their input and run again in backward: core_attn (the attention core), mlp (a dense layer's norm and MLP) (default: core_attn, as Megatron-LM).", nargs="*")
+    recompute_modules: Optional[list] = flag(None, "With selective recompute: the parts of each layer that keep only their input and run again in backward: core_attn (the attention core), mlp (a dense layer's norm and MLP), moe (an MoE layer's experts and router, after its norm) (default: core_attn, as Megatron-LM).", nargs="*")
     partition_activations: Optional[bool] = flag(None, "Split checkpointed activations over TP (default: on with TP>1 and full recompute, off with SP).")
     use_distributed_optimizer: bool = flag(False, "Shard the optimizer state over DP (Megatron's distributed optimizer): DeepSpeed's ZeRO, stage 1 or more in the JSON.")
     overlap_grad_reduce: bool = flag(False, "Overlap the gradient reduction with backward: DeepSpeed's overlap_comm (ZeRO 1-3, PP = 1).")
