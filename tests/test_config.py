@@ -108,6 +108,7 @@ def test_bad_yaml_run_file_is_one_sentence(tmp_path, text, sentence):
 @pytest.mark.parametrize("flags, modules, note", [
     (["--recompute-granularity", "selective"], ["core_attn"], None),  # Megatron-LM's default
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "core_attn", "mlp"], ["mlp", "core_attn"], None),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe"], ["moe"], None),
     (["--recompute-granularity", "selective", "--recompute-modules"], [], None),  # selective, nothing named: nothing rebuilt
     (["--recompute-granularity", "full", "--recompute-modules", "mlp"], [], "--recompute-modules mlp does nothing without"),
 ])
@@ -118,9 +119,9 @@ def test_recompute_modules_take_megatrons_default_and_apply_to_selective_recompu
 
 
 @pytest.mark.parametrize("name, sentence", [
-    ("moe", "--recompute-modules moe: Megatron-LM's recompute of that part is not implemented here; hybridlm recomputes core_attn, mlp."),
+    ("moe_act", "--recompute-modules moe_act: Megatron-LM's recompute of that part is not implemented here; hybridlm recomputes core_attn, mlp, moe."),
     ("layernorm", "--recompute-modules layernorm: Megatron-LM's recompute of that part is not implemented here"),
-    ("attention", "--recompute-modules attention: unknown module; hybridlm recomputes core_attn, mlp."),
+    ("attention", "--recompute-modules attention: unknown module; hybridlm recomputes core_attn, mlp, moe."),
 ])
 def test_recompute_modules_hybridlm_does_not_rebuild_are_refused_by_name(name, sentence):
     with pytest.raises(ConfigError) as refused:

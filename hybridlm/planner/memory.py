@@ -43,8 +43,9 @@ data-parallel replica: states are partitioned over DP x CP.
 
 Full recompute keeps each layer's input (e h, split over TP by SP or DeepSpeed's partitioned
 activations) and rebuilds one layer at a time in backward; selective recompute rebuilds the
-attention kernel (its output is not kept) and, with --recompute-modules mlp, a dense layer's norm
-and MLP sub-block, which then keeps only its input. Under 1F1B the first stage has min(PP, micro-batches)
+attention kernel (its output is not kept), with --recompute-modules mlp a dense layer's norm
+and MLP sub-block, which then keeps only its input, and with moe an MoE layer's router and experts
+(the norm stays outside: they keep only its output). Under 1F1B the first stage has min(PP, micro-batches)
 micro-batches in flight. The last stage adds the cross-entropy over V/t of the vocabulary: at its
 peak the logits (e) and one fp32 buffer (4) that is shifted, exponentiated and normalised in place,
 the softmax that stays for backward; DeepSpeed's pipeline engine also keeps the logits of the
@@ -206,12 +207,9 @@ def layer_activation_parts(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
     (the attention sub-block's, the MLP sub-block's): what selective recompute of either frees."""
     e = 2 if lay.bf16 else 4
     t = lay.tp
-    sp = lay.sequence_parallel and t > 1
     h, d = cfg.hidden_size, cfg.kv_channels
     A, G = cfg.num_attention_heads * d, cfg.num_query_groups * d
-    # Each sub-block's norm: the fp32 input (fp32 runs: the input itself) and the normalised tensor
-    # (reference kernel), or the input only (fused kernel); divided over TP under SP.
-    norm = (e if fused else (4 + e)) * h / (t if sp else 1)
+    norm, residual_dropout = sub_block_edges_bytes_per_token(cfg, lay, fused)
     linear_input = e * h  # QKV's and fc1's inputs: full sequence even under SP (gathered)
     if backend == "cudnn" and G != A:
         attention = e * 5 * A / t  # q, k and v repeated to every head, the output, the projection input
@@ -230,10 +228,18 @@ def layer_activation_parts(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
     else:
         f, router = cfg.ffn_hidden_size, 0
     mlp = e * (3 if fused else 4) * f / t if cfg.swiglu else e * 2 * f / t
-    residual_dropout = h / (t if sp else 1) if cfg.hidden_dropout else 0  # a byte mask per sub-block
     attention_dropout = A / t if cfg.attention_dropout else 0
     return (norm + linear_input + attention + attention_dropout + residual_dropout,
             norm + linear_input + mlp + router + residual_dropout)
+
+
+def sub_block_edges_bytes_per_token(cfg: ModelConfig, lay: Layout, fused: bool = False) -> tuple[float, float]:
+    """What each sub-block keeps around its middle, per token: its norm (the fp32 input, in fp32 runs
+    the input itself, and the normalised tensor with the reference kernel, the input only with the
+    fused one) and its residual dropout's byte mask; both divided over TP under SP."""
+    e, share = (2 if lay.bf16 else 4), (lay.tp if lay.sequence_parallel and lay.tp > 1 else 1)
+    norm = (e if fused else (4 + e)) * cfg.hidden_size / share
+    return norm, (cfg.hidden_size / share if cfg.hidden_dropout else 0.0)
 
 
 def math_probabilities_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str) -> float:
@@ -303,7 +309,8 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
         micro, rebuilding = kept * len(layers), max(per_layer, default=0.0)
     elif recompute == "selective":
         # core_attn: the attention kernel's output is rebuilt in backward instead of kept; mlp: a dense
-        # layer's sub-block keeps only its input (the residual stream, split over TP by SP) and is rebuilt whole
+        # layer's sub-block keeps only its input (the residual stream, split over TP by SP) and is rebuilt whole;
+        # moe: an MoE layer's router and experts keep only the normalised input and are rebuilt
         A = cfg.num_attention_heads * cfg.kv_channels
         core = (e * A / t if backend != "flash" else 0.0) + math_probabilities_bytes_per_token(cfg, lay, backend)
         attention_output = core * tokens if "core_attn" in lay.recompute_modules else 0.0
@@ -314,6 +321,12 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
                 mlp_block = layer_activation_parts(cfg, lay, backend, fused, n)[1] * tokens
                 keep += e * cfg.hidden_size * tokens / (t if sp else 1) - mlp_block
                 rebuilt = max(rebuilt, mlp_block)
+            if "moe" in lay.recompute_modules and cfg.is_moe_layer(n):
+                # the norm and the residual dropout stay outside; the checkpoint keeps the norm's output
+                moe_block = (layer_activation_parts(cfg, lay, backend, fused, n)[1]
+                             - sum(sub_block_edges_bytes_per_token(cfg, lay, fused))) * tokens
+                keep += e * cfg.hidden_size * tokens / (t if sp else 1) - moe_block
+                rebuilt = max(rebuilt, moe_block)
             micro, rebuilding = micro + keep, max(rebuilding, rebuilt)
     else:
         micro, rebuilding = sum(per_layer), 0.0
