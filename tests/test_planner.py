@@ -81,6 +81,19 @@ def test_recomputing_the_mlp_frees_what_the_planner_says_it_frees(tmp_path):
     assert abs(planned / rebuilt - 1) < 0.15, f"planned {planned / 2**20:.1f} MiB, measured {rebuilt / 2**20:.1f} MiB"
 
 
+MOE_HEAVY = MLP_HEAVY + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "384"]
+
+
+def test_recomputing_the_moe_layers_frees_what_the_planner_says_it_frees(tmp_path):
+    # --recompute-modules moe keeps each MoE layer's normalised input instead of its router's tensors, the
+    # routed rows and the experts' SwiGLU tensors; the norm before it keeps what it kept.
+    kept, _ = run_ranks(1, _measured_and_planned, MOE_HEAVY + _json(tmp_path, 0, 2e6))[0]
+    rebuilt, planned = run_ranks(1, _measured_and_planned, MOE_HEAVY + _json(tmp_path, 0, 2e6) + [
+        "--recompute-granularity", "selective", "--recompute-modules", "moe"])[0]
+    assert rebuilt < 0.85 * kept, f"recomputing the MoE layers freed too little: {rebuilt / 2**20:.1f} vs {kept / 2**20:.1f} MiB"
+    assert abs(planned / rebuilt - 1) < 0.15, f"planned {planned / 2**20:.1f} MiB, measured {rebuilt / 2**20:.1f} MiB"
+
+
 def _reference_run(seq: int, cp: int, *extra: str):
     from hybridlm.config import parse_args
     from hybridlm.training.trainer import prepare_config
