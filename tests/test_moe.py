@@ -147,8 +147,8 @@ RECOMPUTE_MOE = ["--recompute-granularity", "selective", "--recompute-modules", 
 def test_recomputing_the_moe_layers_changes_no_bit_of_the_single_process_run():
     # Sigmoid scores with seq_aux_loss: one weight of layer 1 gets a first gradient below AdamW's eps, where
     # last-bit noise moves its update by 4e-4 and the next loss by 4e-5. A checkpoint that began at the residual
-    # stream (norm + MoE, as --recompute-modules mlp does for dense layers) summed that stream's gradient in
-    # another order and failed here; one that begins at the norm's output leaves every bit as it was.
+    # stream (norm + MoE) summed that stream's gradient in another order and failed here; one that begins at
+    # the norm's output leaves every bit as it was.
     variant = ("--moe-router-score-function", "sigmoid", "--moe-router-load-balancing-type", "seq_aux_loss")
     single, split = reference(variant), parallel(1, RECOMPUTE_MOE, "zero0", variant)
     for key in ("losses", "grad_norms", "aux_losses", "z_losses"):

@@ -72,8 +72,9 @@ MLP_HEAVY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads"
 
 
 def test_recomputing_the_mlp_frees_what_the_planner_says_it_frees(tmp_path):
-    # --recompute-modules mlp keeps each MLP sub-block's input instead of its norm, fc1 input and
-    # SwiGLU tensors: on this MLP-heavy model that is most of a layer's activations.
+    # --recompute-modules mlp keeps each MLP's input (the norm's output) instead of fc1's input and the
+    # SwiGLU tensors: on this MLP-heavy model that is most of a layer's activations (measured: 149.8 MiB
+    # without recompute, 102.9 with it; planned 101.1).
     kept, _ = run_ranks(1, _measured_and_planned, MLP_HEAVY + _json(tmp_path, 0, 2e6))[0]
     rebuilt, planned = run_ranks(1, _measured_and_planned, MLP_HEAVY + _json(tmp_path, 0, 2e6) + [
         "--recompute-granularity", "selective", "--recompute-modules", "mlp"])[0]

@@ -5,7 +5,7 @@ The blocks (``gpt.py``) hold only their arithmetic. How they run is decided here
 then compile):
 
   1. the layer context (Transformer Engine's FP8 autocast) around each step, when the model is built;
-  2. activation recompute: selective (``apply_selective_recompute``: the attention core, the MLP, the MoE experts) or full
+  2. activation recompute: selective (``apply_selective_recompute``: the attention core, the MLP or the MoE block) or full
      (``apply_recompute``: a layer, or a unit of consecutive layers, keeps only its input);
   3. compile (``compile_layers``): each layer's arithmetic, or only the pieces between its GEMMs when
      those belong to another library;
@@ -125,24 +125,24 @@ def apply_recompute(model: nn.Module, num_layers: int | None, method: str | None
 
 def apply_selective_recompute(model: nn.Module, modules=("core_attn",), checkpoint: Callable = recompute_in_backward) -> None:
     """Selective recompute (``--recompute-granularity selective --recompute-modules ...``): the named parts
-    of each layer keep only their inputs and run again in backward. ``core_attn``: the attention core
-    (what lies between the QKV projection and the output projection, after RoPE), whose tensors are large
-    and cheap to rebuild at short sequences; ``mlp``: a dense layer's norm and MLP, which at long
-    sequences keep more than attention does and cost far less to rebuild than attention; ``moe``: an MoE
-    layer's routed (and shared) experts, from the normalised input, as Megatron-LM's ``moe``.
+    of each layer keep only their inputs and run again in backward, as Megatron-LM's modules of those
+    names. ``core_attn``: the attention core (what lies between the QKV projection and the output
+    projection, after RoPE), whose tensors are large and cheap to rebuild at short sequences; ``mlp``: a
+    dense layer's MLP, which at long sequences keeps more than attention does and costs far less to
+    rebuild; ``moe``: an MoE layer's router and routed (and shared) experts.
 
-    The MoE checkpoint starts after the norm, not at the residual stream as ``mlp``'s does: a tensor read
-    on both sides of a checkpoint has its gradient summed in another order (the checkpoint's part first,
-    then the rest), and the residual stream is read by the norm (twice) and the residual add. That moves
-    the last bits of every gradient below, and AdamW's first step, ~lr x g / (|g| + eps), turns last-bit
-    noise in a gradient below eps into a visibly different update (4e-5 in the next loss in tests). The
-    norm's output is read only inside the MoE block, so its gradients are the plain run's bit for bit."""
+    The MLP and MoE checkpoints start after the norm, at the block's own input, not at the residual
+    stream: a tensor read on both sides of a checkpoint has its gradient summed in another order (the
+    checkpoint's part first, then the rest), and the residual stream is read by the norm (twice) and the
+    residual add. That moves the last bits of every gradient below, and AdamW's first step,
+    ~lr x g / (|g| + eps), turns last-bit noise in a gradient below eps into a visibly different update
+    (4e-5 in the next loss in tests). The norm's output is read only inside the block, so its gradients
+    are the plain run's bit for bit. (Where fc1 or a fused block took the norm over, the block's input
+    is the residual stream, as in Megatron's fused LayerNorm-linear.)"""
     for layer in model.layer_steps.layers:
         if "core_attn" in modules:
             layer.attention.attend = Recomputed(layer.attention.attend, layer.attention, checkpoint)
-        if "mlp" in modules and isinstance(layer.mlp, MLP):
-            layer.feed_forward = Recomputed(layer.feed_forward, layer, checkpoint)
-        if "moe" in modules and isinstance(layer.mlp, MoEMLP):
+        if ("moe" if isinstance(layer.mlp, MoEMLP) else "mlp") in modules:
             layer.mlp.forward = Recomputed(layer.mlp.forward, layer.mlp, checkpoint)
 
 

@@ -224,11 +224,6 @@ class TransformerLayer(nn.Module):
         fused = isinstance(self.mlp, MLP) and self.mlp.owns_norm
         return x if fused else self.post_attention_norm(x)
 
-    def feed_forward(self, x):
-        """The MLP sub-block on the residual stream: its norm (unless fc1 or a fused block took it) and the
-        dense MLP (what ``--recompute-modules mlp`` recomputes) or the MoE layer."""
-        return self.mlp(self.mlp_input(x))
-
     def _residual_dropout(self, x):
         if not (self.dropout and self.training):
             return x
@@ -239,7 +234,7 @@ class TransformerLayer(nn.Module):
         """The block's arithmetic: hidden states [s, b, h] -> hidden states; ``positions`` [b, s]: the
         rows' position ids, when the batch carries them."""
         x = x + self._residual_dropout(self.attention(self.attention_input(x), positions))
-        return x + self._residual_dropout(self.feed_forward(x))
+        return x + self._residual_dropout(self.mlp(self.mlp_input(x)))
 
     def forward(self, inputs):
         """hidden states -> hidden states, or (hidden states, position ids) -> the same pair."""

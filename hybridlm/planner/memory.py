@@ -43,9 +43,8 @@ data-parallel replica: states are partitioned over DP x CP.
 
 Full recompute keeps each layer's input (e h, split over TP by SP or DeepSpeed's partitioned
 activations) and rebuilds one layer at a time in backward; selective recompute rebuilds the
-attention kernel (its output is not kept), with --recompute-modules mlp a dense layer's norm
-and MLP sub-block, which then keeps only its input, and with moe an MoE layer's router and experts
-(the norm stays outside: they keep only its output). Under 1F1B the first stage has min(PP, micro-batches)
+attention kernel (its output is not kept), and with --recompute-modules mlp / moe a dense layer's
+MLP or an MoE layer's router and experts (the norm stays outside: they keep only its output). Under 1F1B the first stage has min(PP, micro-batches)
 micro-batches in flight. The last stage adds the cross-entropy over V/t of the vocabulary: at its
 peak the logits (e) and one fp32 buffer (4) that is shifted, exponentiated and normalised in place,
 the softmax that stays for backward; DeepSpeed's pipeline engine also keeps the logits of the
@@ -308,25 +307,21 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
         kept = e * cfg.hidden_size * tokens / (t if t > 1 else 1)
         micro, rebuilding = kept * len(layers), max(per_layer, default=0.0)
     elif recompute == "selective":
-        # core_attn: the attention kernel's output is rebuilt in backward instead of kept; mlp: a dense
-        # layer's sub-block keeps only its input (the residual stream, split over TP by SP) and is rebuilt whole;
-        # moe: an MoE layer's router and experts keep only the normalised input and are rebuilt
+        # core_attn: the attention kernel's output is rebuilt in backward instead of kept; mlp / moe: a
+        # dense layer's MLP or an MoE layer's router and experts keep only the normalised input (split over
+        # TP by SP) and are rebuilt
         A = cfg.num_attention_heads * cfg.kv_channels
         core = (e * A / t if backend != "flash" else 0.0) + math_probabilities_bytes_per_token(cfg, lay, backend)
         attention_output = core * tokens if "core_attn" in lay.recompute_modules else 0.0
         micro, rebuilding = 0.0, 0.0
         for n, full in zip(layers, per_layer):
             keep, rebuilt = full - attention_output, attention_output
-            if "mlp" in lay.recompute_modules and not cfg.is_moe_layer(n):
-                mlp_block = layer_activation_parts(cfg, lay, backend, fused, n)[1] * tokens
-                keep += e * cfg.hidden_size * tokens / (t if sp else 1) - mlp_block
-                rebuilt = max(rebuilt, mlp_block)
-            if "moe" in lay.recompute_modules and cfg.is_moe_layer(n):
+            if ("moe" if cfg.is_moe_layer(n) else "mlp") in lay.recompute_modules:
                 # the norm and the residual dropout stay outside; the checkpoint keeps the norm's output
-                moe_block = (layer_activation_parts(cfg, lay, backend, fused, n)[1]
-                             - sum(sub_block_edges_bytes_per_token(cfg, lay, fused))) * tokens
-                keep += e * cfg.hidden_size * tokens / (t if sp else 1) - moe_block
-                rebuilt = max(rebuilt, moe_block)
+                block = (layer_activation_parts(cfg, lay, backend, fused, n)[1]
+                         - sum(sub_block_edges_bytes_per_token(cfg, lay, fused))) * tokens
+                keep += e * cfg.hidden_size * tokens / (t if sp else 1) - block
+                rebuilt = max(rebuilt, block)
             micro, rebuilding = micro + keep, max(rebuilding, rebuilt)
     else:
         micro, rebuilding = sum(per_layer), 0.0
