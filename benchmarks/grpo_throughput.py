@@ -36,8 +36,7 @@ from benchmarks.records import script_record  # noqa: E402
 SHAPES = {
     "qwen2-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                        vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True),
+    "tiny": stages.TINY_QWEN2,
 }
 STAGES = ("grpo", "trl")
 REWARD = '''def distinct_words(completions, **kwargs):

@@ -17,6 +17,9 @@ from typing import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PREFIX = "RESULT "
+# the --tiny smoke runs' Qwen2-style shape (CPU, fp32), shared by the SFT and GRPO throughput scripts
+TINY_QWEN2 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
 def report(result: dict) -> None:

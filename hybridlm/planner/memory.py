@@ -52,9 +52,10 @@ current and the previous micro-batch in its output buffers. What one layer rebui
 (recompute) and ring attention's K/V blocks exist only while that layer runs, never beside the
 logits; at long sequences the logits are the largest term by far.
 
-The peak is the largest of four moments of a step: the end of the last forward (all
+The peak is the largest of five moments of a step: the end of the last forward (all
 activations, the cross-entropy's peak), the start of backward (ZeRO-1/2 allocate their reduce
-buckets; the softmax is still kept, or a layer's backward has begun), the first layer's backward
+buckets; the softmax is still kept), the last layer's backward (all activations and what one
+layer's backward rebuilds and allocates, the logits gone), the first layer's backward
 (nearly every gradient exists, one layer's activations are left, rebuilt if recomputed) and the
 step (all gradients and the step's temporaries, no activations). Under PP the gradients exist from the first backward on, so they
 count at every moment. Checked against measured peaks of real runs with benchmarks/plan_check.py
@@ -219,13 +220,10 @@ def layer_activation_parts(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
     else:  # torch SDPA as measured on CPU: QKV output, rotated q (or the output), rotated k, projection input
         attention = e * (3 * A + 3 * G) / t
     attention += math_probabilities_bytes_per_token(cfg, lay, backend)
-    if cfg.is_moe_layer(layer):
-        f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
-        # fp32 logits, probabilities, top-k bookkeeping; the k rows of each token into and out of the
-        # experts (what the all-to-all carries; full width on every TP rank, balanced routing assumed)
-        router = 4 * cfg.num_experts * 3 + 2 * e * h * cfg.moe_router_topk
-    else:
-        f, router = cfg.ffn_hidden_size, 0
+    f = mlp_width(cfg, layer)
+    # MoE: fp32 logits, probabilities, top-k bookkeeping; the k rows of each token into and out of the
+    # experts (what the all-to-all carries; full width on every TP rank, balanced routing assumed)
+    router = 4 * cfg.num_experts * 3 + 2 * e * h * cfg.moe_router_topk if cfg.is_moe_layer(layer) else 0
     mlp = e * (3 if fused else 4) * f / t if cfg.swiglu else e * 2 * f / t
     attention_dropout = A / t if cfg.attention_dropout else 0
     return (norm + linear_input + attention + attention_dropout + residual_dropout,
@@ -256,12 +254,16 @@ def layer_backward_bytes_per_token(cfg: ModelConfig, lay: Layout, layer: int = 0
     fc1 output gradient (2f wide with SwiGLU; k rows of the expert width per token in an MoE layer), or
     under the math kernel the gradients of the probabilities and of the scores."""
     e = 2 if lay.bf16 else 4
-    if cfg.is_moe_layer(layer):
-        f = cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
-    else:
-        f = cfg.ffn_hidden_size
     probabilities = math_probabilities_bytes_per_token(cfg, lay, backend)
-    return max(e * (2 if cfg.swiglu else 1) * f / lay.tp, probabilities * 2 * e / (2 * e + 1))
+    return max(e * (2 if cfg.swiglu else 1) * mlp_width(cfg, layer) / lay.tp, probabilities * 2 * e / (2 * e + 1))
+
+
+def mlp_width(cfg: ModelConfig, layer: int) -> int:
+    """The MLP's hidden width per token: the FFN width, or in an MoE layer the k expert rows of each
+    token plus the shared expert's."""
+    if cfg.is_moe_layer(layer):
+        return cfg.moe_ffn_hidden_size * cfg.moe_router_topk + (cfg.moe_shared_expert_intermediate_size or 0)
+    return cfg.ffn_hidden_size
 
 
 def layer_activation_bytes_per_token(cfg: ModelConfig, lay: Layout, backend: str = "sdpa",
@@ -443,9 +445,10 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
         # head's forward and backward run before and after every layer's, not inside one.
         moments = {
             "forward": dict(gradients=grads_fwd, buffers=s.buffers_kept + gathered, activations=kept, logits=logits_fwd),
-            "backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered,
-                             **(dict(activations=kept + transient, logits=0.0) if transient > logits_bwd
-                                else dict(activations=kept, logits=logits_bwd))),
+            "backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered, activations=kept,
+                             logits=logits_bwd),
+            "last layer's backward": dict(gradients=grads_fwd, buffers=s.buffers_kept + bucket_bwd + gathered,
+                                          activations=kept + transient, logits=0.0),
             # the stage's first layer's backward: every other gradient exists by then, and of the kept
             # activations only that layer's are left (under PP, the other micro-batches' too)
             "first layer's backward": dict(gradients=max(s.grads_kept, s.grads_end), buffers=s.buffers_kept + bucket_bwd + gathered,
