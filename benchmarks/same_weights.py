@@ -1,56 +1,110 @@
 """Same weights, same batch, several layouts: is a loss gap between layouts a wrong computation or rounding amplified?
 
-    python benchmarks/same_weights.py [--at 14,15] [--out DIR] [--record-file R.jsonl]
+    python benchmarks/same_weights.py [--model cp|moe] [--at 14,15] [--steps 20] [--out DIR] [--record-file R.jsonl]
 
-The model and flags are those of tests/test_context_parallel_gpu.py's two-GPU test (d256 L4, seq 1024, bf16,
-constant lr 1e-3), whose CP=2 runs spiked at step 16 to twice the one-GPU loss.
+Two models (``SETUPS``):
 
-1. Trajectories: 20 steps each of one GPU, one GPU with micro-batches of 1 instead of 2 (the same global batch:
-   only the order of the gradient sums changes), one GPU in fp32, CP=2 p2p and CP=2 a2a, from the same seed and
-   data. The one-GPU bf16 run saves every step.
-2. Probes: from the one-GPU bf16 checkpoint of iteration S (each of ``--at``), each variant runs two steps: the
-   first on those weights and step S+1's batch (its loss and full gradients are kept), the second on the weights its
-   own update made. The fp32 one-GPU probe is the reference each gradient is compared with.
+- ``cp``: tests/test_context_parallel_gpu.py's two-GPU test model (d256 L4, seq 1024, bf16, constant lr 1e-3),
+  whose CP=2 runs spiked at step 16 to twice the one-GPU loss; layouts 1 GPU and CP=2 p2p / a2a.
+- ``moe``: benchmarks/curves.py's four-GPU MoE model (Mixtral-style d768 L8, 8 experts top-2, its schedule over
+  200 steps), whose EP layouts sat 4-6% above one GPU from step 50; layouts 1 GPU, DP=4 (the same batch split
+  without EP), EP=2 x DP=2, EP=2 x CP=2, EP=4 and EP=2 x TP=2 SP.
 
-If CP computes the same function, its gradient is as close to the fp32 one as the one-GPU bf16 gradient is, and
-any gap in later losses comes from the updates (Adam at a constant 1e-3 with no warm-up amplifies rounding
-differences), which the one-GPU runs with two micro-batch sizes show without any parallelism.
+1. Trajectories (``--steps`` > 0): that many steps of every variant from the same seed and data. The one-GPU bf16
+   run ("the saver") always runs, up to the last probe iteration, and saves every probe iteration.
+2. Probes: from the saver's checkpoint of iteration S (each of ``--at``), each variant runs two steps: the first on
+   those weights and step S+1's batch, the second on the weights its own update made. Of the first step each rank
+   keeps its share of the full gradient (as DeepSpeed is about to apply it, reduced over DP / expert-DP, before
+   clipping) and of the update of DeepSpeed's fp32 master weights; the parent assembles them into full tensors and
+   compares, per parameter group (dense, router, experts): the gradient's norm and its distance to the fp32
+   one-GPU gradient, the update's norm and its distance to the one-GPU bf16 update. Beside them: the loss, the
+   auxiliary losses, the tokens each expert got, the norm DeepSpeed clipped with (against the norm of the assembled
+   gradient) and the clip coefficient.
 
-Jobs run side by side where GPUs allow (one GPU each for one-GPU runs, two for CP), through torchrun with
+If a layout computes the same step, its gradient is as close to the fp32 one as one GPU's bf16 gradient is (one GPU
+with micro-batches of 1, which only reorders the sums, shows the spread rounding alone gives), its clip norm is the
+norm of its gradient, and its update is as close to one GPU's as that one's is; any later gap in the losses comes
+from amplified rounding.
+
+Jobs run side by side where GPUs allow (one GPU each for one-GPU runs), through torchrun with
 ``CUDA_VISIBLE_DEVICES``. On a machine without GPUs the same runs take gloo ranks (slow; for checking the script).
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from benchmarks.curves import BATCH_4GPU, COMMON, MODELS_4GPU, ON_GPUS, TINY_BLOCK  # noqa: E402
+
+SAVER, REFERENCE = "1 GPU bf16", "1 GPU fp32"  # whose checkpoints every probe starts from; whose gradient is exact
+BF16 = ["--bf16"]
+EP2, TP2 = ["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    words: str  # the record's label
+    model: list[str]  # every run's flags (no precision, no --train-iters)
+    variants: dict[str, tuple[int, list[str]]]  # name: (GPUs, flags)
+    at: str  # the default --at
+    short: dict[str, str] = field(default_factory=dict)  # names in the record's figures
+
 
 # tests/test_context_parallel_gpu.py's model: tests/oracle.py's TINY at d256, seq 1024, lr 1e-3 (TINY's min-lr, so constant)
-MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--group-query-attention",
-         "--num-query-groups", "2", "--ffn-hidden-size", "512", "--seq-length", "1024", "--vocab-size", "512",
-         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
-         "--hidden-dropout", "0", "--attention-dropout", "0", "--adam-beta2", "0.95", "--weight-decay", "0.1",
-         "--lr-decay-style", "cosine", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
-         "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "10", "--seed", "7", "--log-interval", "1",
-         "--deepspeed_config", "ds_configs/zero1.json"]
-BF16 = ["--bf16"]
-VARIANTS = {  # name: (GPUs, flags)
-    "1 GPU bf16": (1, BF16),
-    "1 GPU bf16 mb 1": (1, BF16 + ["--micro-batch-size", "1"]),  # the same sums accumulated in another order
-    "1 GPU fp32": (1, []),
-    "CP2 p2p bf16": (2, BF16 + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
-    "CP2 a2a bf16": (2, BF16 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+_CP_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--group-query-attention",
+             "--num-query-groups", "2", "--ffn-hidden-size", "512", "--seq-length", "1024", "--vocab-size", "512",
+             "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+             "--hidden-dropout", "0", "--attention-dropout", "0", "--adam-beta2", "0.95", "--weight-decay", "0.1",
+             "--lr-decay-style", "cosine", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+             "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "10", "--seed", "7", "--log-interval", "1",
+             "--deepspeed_config", "ds_configs/zero1.json"]
+# benchmarks/curves.py's four-GPU MoE run, its schedule pinned to the curve's 200 steps whatever --train-iters says
+_CURVE_ITERS = COMMON.index("--train-iters")
+_MOE_MODEL = (COMMON[:_CURVE_ITERS] + COMMON[_CURVE_ITERS + 2:] + TINY_BLOCK + MODELS_4GPU["moe"][0]
+              + [f for f in ON_GPUS if f != "--bf16"] + ["--global-batch-size", str(BATCH_4GPU), "--lr-decay-iters", "200"])
+
+SETUPS = {
+    "cp": Setup("CP test model (d256 L4, seq 1024, constant lr 1e-3): the same weights and batch on 1 GPU and CP=2, bf16",
+                _CP_MODEL, {
+                    SAVER: (1, BF16),
+                    "1 GPU bf16 mb 1": (1, BF16 + ["--micro-batch-size", "1"]),  # the same sums accumulated in another order
+                    REFERENCE: (1, []),
+                    "CP2 p2p bf16": (2, BF16 + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+                    "CP2 a2a bf16": (2, BF16 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+                }, "14,15", {SAVER: "1 GPU", REFERENCE: "fp32", "CP2 p2p bf16": "CP2 p2p", "CP2 a2a bf16": "CP2 a2a",
+                             "1 GPU bf16 mb 1": "1 GPU mb 1"}),
+    "moe": Setup(f"{MODELS_4GPU['moe'][1]}, curve schedule: the same weights and batch on 1 GPU, DP=4 and the EP layouts, bf16",
+                 _MOE_MODEL, {
+                     SAVER: (1, BF16),
+                     "1 GPU bf16 mb 1": (1, BF16 + ["--micro-batch-size", "1"]),
+                     REFERENCE: (1, []),
+                     "DP4": (4, BF16),  # the batch split as under EP, experts replicated
+                     "EP2 x DP2": (4, BF16 + EP2),
+                     "EP2 x CP2": (4, BF16 + EP2 + ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+                     "EP4": (4, BF16 + ["--expert-model-parallel-size", "4"]),
+                     "EP2 x TP2 SP": (4, BF16 + EP2 + TP2 + ["--sequence-parallel"]),
+                 }, "60", {SAVER: "1 GPU", REFERENCE: "fp32", "1 GPU bf16 mb 1": "1 GPU mb 1"}),
 }
-REFERENCE = "1 GPU fp32"
-SAVER = "1 GPU bf16"  # the run whose checkpoints every probe starts from
+GROUPS = ("dense", "router", "experts")
+# --tiny: the same runs at a size a CPU gets through (checks the script, not the layouts); later flags win
+TINY_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+              "--ffn-hidden-size", "128", "--seq-length", "64"]
+TINY_EXPERTS = ["--moe-ffn-hidden-size", "64"]
+
+
+def group_of(name: str) -> str:
+    """The parameter group a full tensor's name belongs to: the routers, the experts' stacked matrices, or the rest."""
+    return "router" if ".router." in name else "experts" if ".moe.w" in name else "dense"
 
 
 @dataclass
@@ -68,12 +122,15 @@ def _slots() -> list[str]:
 
 
 def run_jobs(jobs: list[Job], port: int = 29650) -> None:
-    """Start each job once the jobs it needs are done and enough GPUs are free (a GPU per rank); on CPU two slots."""
-    free, pending, running, done = _slots(), list(jobs), {}, set()
+    """Start each job once the jobs it needs are done and enough GPUs are free (a GPU per rank); on CPU two slots,
+    of which a job of more ranks than slots takes both."""
+    slots = _slots()
+    free, pending, running, done = list(slots), list(jobs), {}, set()
     while pending or running:
         for job in list(pending):
-            if all(n in done for n in job.needs) and len(free) >= job.ranks:
-                mine, free = free[:job.ranks], free[job.ranks:]
+            wanted = min(job.ranks, len(slots)) if slots[0].startswith("cpu") else job.ranks
+            if all(n in done for n in job.needs) and len(free) >= wanted:
+                mine, free = free[:wanted], free[wanted:]
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 if mine[0].startswith("cpu"):
                     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
@@ -96,30 +153,48 @@ def run_jobs(jobs: list[Job], port: int = 29650) -> None:
 
 
 def probe(out: str, flags: list[str]) -> None:
-    """In each rank: two steps from the loaded checkpoint; rank 0 saves the losses and the first step's full gradients."""
+    """In each rank: two steps from the loaded checkpoint. Every rank writes its share of the first step's full
+    gradient and fp32 update to ``out``.rank<R>; rank 0 also the step's figures to ``out``."""
     import torch
     import torch.distributed as dist
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     from hybridlm.config import parse_args
-    from hybridlm.model.weights import gather_full_state_dict
+    from hybridlm.model.weights import shard_entry
+    from hybridlm.training.moe_metrics import collect_moe_stats
     from hybridlm.training.trainer import build_run, data_iterator, prepare_config, train_step
 
-    run = build_run(*prepare_config(parse_args(flags)))
-    module, grads = run.engine.module, {}
+    cfg, ds = prepare_config(parse_args(flags))
+    run = build_run(cfg, ds)
+    module, kept = run.engine.module, {}
     take_step = run.engine._take_model_step
+    masters = lambda: {name: safe_get_full_fp32_param(p).clone() for name, p in module.named_parameters()}  # noqa: E731
 
-    def keep_gradients(*args, **kwargs):  # the gradients DeepSpeed is about to apply (averaged over DP x CP)
-        if not grads:
-            local = {name: safe_get_full_grad(p) for name, p in module.named_parameters()}
-            grads.update(gather_full_state_dict(local, module, run.ps.tp, run.ps.grad_reduction, run.ps.ep))
-        return take_step(*args, **kwargs)
+    def keep_gradients_and_update(*args, **kwargs):  # the gradients DeepSpeed is about to apply (reduced, not clipped)
+        if kept:
+            return take_step(*args, **kwargs)
+        kept["grads"] = {name: safe_get_full_grad(p).clone() for name, p in module.named_parameters()}
+        before = masters()
+        result = take_step(*args, **kwargs)
+        kept["update"] = {name: after - before[name] for name, after in masters().items()}
+        return result
 
-    run.engine._take_model_step = keep_gradients
+    run.engine._take_model_step = keep_gradients_and_update
     batches = data_iterator(run)
-    losses = [train_step(run, batches).item() for _ in range(2)]
+    loss = train_step(run, batches).item()
+    norm, moe = float(run.engine.get_global_grad_norm()), collect_moe_stats(module, cfg, run.ps)
+    next_loss = train_step(run, batches).item()
+    ps = run.ps
+    shares = {what: shard_entry(tensors, module, ps.tp, ps.grad_reduction, ps.ep) for what, tensors in kept.items()}
+    torch.save(shares, f"{out}.rank{dist.get_rank()}")
     if dist.get_rank() == 0:
-        torch.save({"iteration": run.iteration - 2, "losses": losses, "grads": grads}, out)
+        figures = {"iteration": run.iteration - 2, "loss": loss, "next_loss": next_loss, "clip_norm": norm,
+                   "clip_coefficient": min(1.0, cfg.train.clip_grad / (norm + 1e-6)) if cfg.train.clip_grad else 1.0}
+        if moe is not None:
+            figures.update(aux_loss=moe["aux_loss"], z_loss=moe["z_loss"],
+                           tokens_per_expert=[layer["tokens_per_expert"] for layer in moe["layers"].values()])
+        with open(out, "w") as f:
+            json.dump(figures, f)
 
 
 def _losses(metrics: str) -> list[float]:
@@ -127,119 +202,185 @@ def _losses(metrics: str) -> list[float]:
         return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
-def _compare(grads: dict, reference: dict) -> tuple[float, str, float]:
-    """(relative error of all gradients together, the worst parameter, its relative error) against ``reference``."""
-    num = den = 0.0
-    worst, worst_err = "", 0.0
-    for name, want in reference.items():
-        got = grads[name].double()
-        want = want.double()
-        diff, norm = float((got - want).norm() ** 2), float(want.norm() ** 2)
-        num, den = num + diff, den + norm
-        err = (diff / max(norm, 1e-300)) ** 0.5
-        if err > worst_err:
-            worst, worst_err = name, err
-    return (num / den) ** 0.5, worst, worst_err
+def _assemble(out: str) -> dict:
+    """{"grads": full tensors, "update": full tensors} from the ranks' shares of one probe."""
+    import torch
+    from hybridlm.model.weights import assemble_full
+    shares = [torch.load(path, weights_only=False) for path in sorted(glob.glob(f"{out}.rank*"))]
+    return {what: assemble_full([share[what] for share in shares]) for what in shares[0]}
 
 
-def run(work: str, at: list[int], steps: int, variants: dict = VARIANTS, trajectories: bool = True) -> dict:
-    """The trajectories (``steps`` each; with ``trajectories`` False only the one-GPU bf16 run that saves, up to
-    max(at)) and the probes from each iteration in ``at``; returns {"trajectories": {variant: losses},
-    "probes": {iteration: {variant: figures}}}. ``variants`` must hold the one-GPU bf16 and fp32 ones."""
+def _by_group(tensors: dict, reference: dict | None = None) -> dict:
+    """{group: norm} of ``tensors`` for the groups present, and "all"; with ``reference`` the same of
+    |tensors - reference| / |reference|."""
+    num, den = {}, {}
+    for name, tensor in tensors.items():
+        got = tensor.double()
+        if reference is not None:
+            rows = min(got.shape[0], reference[name].shape[0])  # the vocabulary is padded to a multiple of 128 x TP
+            got, want = got[:rows], reference[name].double()[:rows]
+        diff = got - want if reference is not None else got
+        for group in (group_of(name), "all"):
+            num[group] = num.get(group, 0.0) + float(diff.norm() ** 2)
+            den[group] = den.get(group, 0.0) + (float(want.norm() ** 2) if reference is not None else 1.0)
+    if reference is None:
+        return {g: math.sqrt(v) for g, v in num.items()}
+    return {g: math.sqrt(num[g] / max(den[g], 1e-300)) for g in num}
+
+
+def _tokens_gap(got: list, want: list) -> float:
+    """The largest difference in one expert's tokens of one layer, over that expert's count in ``want``."""
+    return max(abs(g - w) / max(w, 1.0) for gl, wl in zip(got, want) for g, w in zip(gl, wl))
+
+
+def compare_probes(work: str, s: int, variants: dict) -> dict:
+    """Each variant's figures from iteration ``s``: its step's losses, clip norm and coefficient, tokens per expert
+    against one GPU's, and per group its gradient and update norms and their distances to the references."""
+    slug = lambda name: os.path.join(work, f"probe_{name.replace(' ', '_')}_{s}.json")  # noqa: E731
+    exact, saver = _assemble(slug(REFERENCE))["grads"], _assemble(slug(SAVER))
+    with open(slug(SAVER)) as f:
+        saver_figures = json.load(f)
+    out = {}
+    for name in variants:
+        with open(slug(name)) as f:
+            figures = json.load(f)
+        mine = saver if name == SAVER else _assemble(slug(name))
+        grad_norms = _by_group(mine["grads"])
+        figures.update(grad_norm=grad_norms, full_grad_norm=grad_norms["all"],
+                       grad_err_vs_fp32=_by_group(mine["grads"], exact), update_norm=_by_group(mine["update"]),
+                       grad_err_vs_1gpu=_by_group(mine["grads"], saver["grads"]))
+        if name != REFERENCE:  # the fp32 probe starts without the checkpoint's Adam state: its update is another one
+            figures["update_err_vs_1gpu"] = _by_group(mine["update"], saver["update"])
+        if "tokens_per_expert" in figures:
+            figures["tokens_gap_vs_1gpu"] = _tokens_gap(figures["tokens_per_expert"], saver_figures["tokens_per_expert"])
+        out[name] = figures
+        del mine
+    return out
+
+
+def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | None = None) -> dict:
+    """The trajectories (``steps`` each; with 0 only the saver, up to max(at)) and the probes from each iteration in
+    ``at``; returns {"trajectories": {variant: losses}, "probes": {iteration: {variant: figures}}}. ``variants`` (default:
+    the setup's) must hold the saver and the fp32 reference."""
+    variants = variants or setup.variants
     os.makedirs(work, exist_ok=True)
     ckpt = os.path.join(work, "ckpt")
     pretrain = os.path.join(ROOT, "scripts", "pretrain.py")
+    saves = ["--save", ckpt, "--save-interval", str(math.gcd(*at))] if at else []
     jobs = []
     for name, (ranks, flags) in variants.items():
-        if not trajectories and name != SAVER:
+        if not steps and name != SAVER:
             continue
         slug = name.replace(" ", "_")
-        extra = ["--save", ckpt, "--save-interval", "1"] if name == SAVER else []
-        jobs.append(Job(f"trajectory {name}", ranks, [pretrain] + MODEL + flags + extra + [
-            "--train-iters", str(steps if trajectories else max(at)), "--metrics-file", os.path.join(work, f"traj_{slug}.jsonl")],
+        extra = saves if name == SAVER else []
+        jobs.append(Job(f"trajectory {name}", ranks, [pretrain] + setup.model + flags + extra + [
+            "--train-iters", str(max([steps] + at)), "--metrics-file", os.path.join(work, f"traj_{slug}.jsonl")],
             os.path.join(work, f"traj_{slug}.log")))
     for s in at:
         for name, (ranks, flags) in variants.items():
             slug = f"{name.replace(' ', '_')}_{s}"
             # fp32 from a bf16 checkpoint: the weights only (its Adam state is not comparable); same iteration
             load = ["--load", ckpt, "--ckpt-step", str(s)] + (["--no-load-optim"] if name == REFERENCE else [])
-            jobs.append(Job(f"probe {name} from {s}", ranks, [os.path.abspath(__file__), "--probe", os.path.join(work, f"probe_{slug}.pt"),
-                                                               "--"] + MODEL + flags + load + ["--train-iters", str(s + 2)],
+            jobs.append(Job(f"probe {name} from {s}", ranks, [os.path.abspath(__file__), "--probe", os.path.join(work, f"probe_{slug}.json"),
+                                                               "--"] + setup.model + flags + load + ["--train-iters", str(s + 2)],
                             os.path.join(work, f"probe_{slug}.log"), needs=[f"trajectory {SAVER}"]))
     run_jobs(jobs)
-    import torch
     summary = {"trajectories": {}, "probes": {}}
     for name in variants:
-        if trajectories or name == SAVER:
+        if steps or name == SAVER:
             summary["trajectories"][name] = _losses(os.path.join(work, f"traj_{name.replace(' ', '_')}.jsonl"))
     for s in at:
-        results = {name: torch.load(os.path.join(work, f"probe_{name.replace(' ', '_')}_{s}.pt"), weights_only=False) for name in variants}
-        for name, result in results.items():
-            err, worst, worst_err = _compare(result["grads"], results[REFERENCE]["grads"])
-            summary["probes"].setdefault(s, {})[name] = {
-                "loss": result["losses"][0], "next_loss": result["losses"][1], "grad_rel_err_vs_fp32": err,
-                "grad_rel_err_vs_1gpu_bf16": _compare(result["grads"], results[SAVER]["grads"])[0],
-                "worst_parameter": worst, "worst_rel_err": worst_err}
+        summary["probes"][s] = compare_probes(work, s, variants)
     return summary
+
+
+def _groups(values: dict | None, fmt: str) -> str:
+    """Per group present (dense, router, experts), slash-separated."""
+    return "/".join(format(values[g], fmt) for g in GROUPS if g in values) if values else "-"
 
 
 def table(summary: dict) -> str:
     lines = ["Trajectories (loss of each step; the last 10):", ""]
     for name, losses in summary["trajectories"].items():
-        lines.append(f"    {name:18s} " + " ".join(f"{x:.3f}" for x in losses[-10:]))
+        lines.append(f"    {name:16s} " + " ".join(f"{x:.3f}" for x in losses[-10:]))
     for s, by_variant in summary["probes"].items():
-        lines += ["", f"From the one-GPU bf16 weights of iteration {s}: step {s + 1} on those weights (its gradient against the fp32 "
-                  f"one), then step {s + 2} on each variant's own update:", "",
-                  f"    {'variant':18s} {'loss ' + str(s + 1):>10s} {'grad err':>9s} {'vs 1 GPU bf16':>13s}  {'worst parameter':45s} "
-                  f"{'loss ' + str(s + 2):>10s}"]
+        moe = any("aux_loss" in v for v in by_variant.values())
+        groups = "/".join(g for g in GROUPS if moe or g == "dense")
+        lines += ["", f"From the one-GPU bf16 weights of iteration {s}: step {s + 1} on those weights, then step {s + 2} on each "
+                  f"variant's own update. Per group ({groups}): the gradient's norm and its error to fp32, the update's norm "
+                  f"and its error to one GPU's:", "",
+                  f"    {'variant':16s} {'loss':>7s} {'aux':>7s} {'next':>7s} {'clip norm':>9s} {'|grad|':>9s} {'coef':>6s} "
+                  f"{'tokens':>6s}  {'grad norm':26s} {'grad err to fp32':26s} {'update norm':26s} {'update err':26s}"]
         for name, v in by_variant.items():
-            later = "-" if name == REFERENCE else f"{v['next_loss']:.4f}"
-            lines.append(f"    {name:18s} {v['loss']:10.4f} {v['grad_rel_err_vs_fp32']:9.2e} {v['grad_rel_err_vs_1gpu_bf16']:13.2e}  "
-                         f"{v['worst_parameter'] + ' ' + format(v['worst_rel_err'], '.1e'):45s} {later:>10s}")
+            aux = f"{v['aux_loss']:.4f}" if "aux_loss" in v else "-"
+            tokens = f"{100 * v['tokens_gap_vs_1gpu']:.1f}%" if "tokens_gap_vs_1gpu" in v else "-"
+            lines.append(f"    {name:16s} {v['loss']:7.4f} {aux:>7s} {v['next_loss']:7.4f} {v['clip_norm']:9.4f} "
+                         f"{v['full_grad_norm']:9.4f} {v['clip_coefficient']:6.3f} {tokens:>6s}  {_groups(v['grad_norm'], '.3e'):26s} "
+                         f"{_groups(v['grad_err_vs_fp32'], '.1e'):26s} {_groups(v['update_norm'], '.3e'):26s} "
+                         f"{_groups(v.get('update_err_vs_1gpu'), '.1e'):26s}")
     return "\n".join(lines)
 
 
-def figures(summary: dict) -> dict:
-    """The record's figures: each step's loss after S on the same weights, each gradient's distance to fp32, and the
-    loss that step reached in each variant's own trajectory."""
-    short = {SAVER: "1 GPU", REFERENCE: "fp32", "CP2 p2p bf16": "CP2 p2p", "CP2 a2a bf16": "CP2 a2a", "1 GPU bf16 mb 1": "1 GPU mb 1"}
+def figures(summary: dict, setup: Setup) -> dict:
+    """The record's figures: per probe iteration each variant's loss on the same weights, gradient error to fp32, clip
+    norm against its gradient's norm and update error to one GPU; and the loss each trajectory reached."""
+    short = lambda name: setup.short.get(name, name)  # noqa: E731
     out = {}
     for s, by in summary["probes"].items():
         s = int(s)
-        out[f"loss {s + 1} on the weights of {s}"] = " / ".join(f"{short.get(n, n)} {v['loss']:.4f}" for n, v in by.items())
-        out[f"gradient error to fp32 at {s}"] = " / ".join(f"{short.get(n, n)} {v['grad_rel_err_vs_fp32']:.1e}" for n, v in by.items()
-                                                          if n != REFERENCE)
+        out[f"loss {s + 1} on the weights of {s}"] = " / ".join(f"{short(n)} {v['loss']:.4f}" for n, v in by.items())
+        out[f"gradient error to fp32 at {s}"] = " / ".join(
+            f"{short(n)} {_groups(v['grad_err_vs_fp32'], '.1e')}" for n, v in by.items() if n != REFERENCE)
+        out[f"clip norm / gradient norm at {s}"] = " / ".join(f"{short(n)} {v['clip_norm']:.4f}/{v['full_grad_norm']:.4f}"
+                                                              for n, v in by.items())
+        out[f"update error to 1 GPU at {s}"] = " / ".join(
+            f"{short(n)} {_groups(v['update_err_vs_1gpu'], '.1e')}" for n, v in by.items() if n not in (REFERENCE, SAVER))
         out[f"loss {s + 2} after each one's own update from {s}"] = " / ".join(
-            f"{short.get(n, n)} {v['next_loss']:.4f}" for n, v in by.items() if n != REFERENCE)
-    for s in sorted({int(s) + 1 for s in summary["probes"]} | ({16} if not summary["probes"] else set())):
-        out[f"loss {s} of each trajectory"] = " / ".join(f"{short.get(n, n)} {v[s - 1]:.3f}"
-                                                          for n, v in summary["trajectories"].items() if len(v) >= s)
+            f"{short(n)} {v['next_loss']:.4f}" for n, v in by.items() if n != REFERENCE)
+    for s in sorted({int(s) + 1 for s in summary["probes"]}):
+        reached = [f"{short(n)} {v[s - 1]:.3f}" for n, v in summary["trajectories"].items() if len(v) >= s]
+        if reached:
+            out[f"loss {s} of each trajectory"] = " / ".join(reached)
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--at", default="14,15", help="iterations whose one-GPU checkpoint the probes start from ('': none)")
-    parser.add_argument("--steps", type=int, default=20, help="steps of each trajectory")
+    parser.add_argument("--model", choices=sorted(SETUPS), default="cp", help="which model and layouts (see the module docstring)")
+    parser.add_argument("--at", default=None, help="iterations whose one-GPU checkpoint the probes start from (default: the "
+                        "model's: cp 14,15, moe 60; '': none)")
+    parser.add_argument("--steps", type=int, default=20, help="steps of each trajectory (0: only the saver's, up to the last --at)")
+    parser.add_argument("--variants", default=None, help="a comma list of the model's variants (the saver and fp32 always run)")
     parser.add_argument("--out", default=None, help="folder for checkpoints, logs and results (default: a temporary one)")
+    parser.add_argument("--tiny", action="store_true", help="the model at d64 L2, seq 64: a quick check of the script on CPU")
     parser.add_argument("--record-file", default=None)
     parser.add_argument("--probe", default=None, help=argparse.SUPPRESS)  # a rank of one probe: where rank 0 writes
     args, rest = parser.parse_known_args()
     if args.probe:
         probe(args.probe, rest[1:] if rest[:1] == ["--"] else rest)
         return 0
+    setup = SETUPS[args.model]
+    if args.tiny:
+        shape = TINY_SHAPE + (TINY_EXPERTS if args.model == "moe" else [])
+        setup = replace(setup, model=setup.model + shape, words=setup.words + " (--tiny)")
+    variants = setup.variants
+    if args.variants:
+        wanted = {SAVER, REFERENCE, *args.variants.split(",")}
+        unknown = sorted(wanted - set(setup.variants))
+        if unknown:
+            parser.error(f"--variants: {unknown[0]!r} is not a {args.model} variant ({', '.join(setup.variants)})")
+        variants = {name: v for name, v in setup.variants.items() if name in wanted}
+    at = [int(s) for s in (setup.at if args.at is None else args.at).split(",") if s]
     work = args.out or tempfile.mkdtemp(prefix="same_weights_")
     started = time.perf_counter()
-    summary = run(work, [int(s) for s in args.at.split(",") if s], args.steps)
+    summary = run(work, at, args.steps, setup, variants)
     print(f"# same weights, same batch ({time.perf_counter() - started:.0f} s of runs; work folder {work})\n", flush=True)
     print(table(summary), flush=True)
     with open(os.path.join(work, "same_weights.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if args.record_file:
         from benchmarks.records import append, script_record
-        append(args.record_file, script_record("python benchmarks/same_weights.py", sys.argv[1:],
-                                               "CP test model (d256 L4, seq 1024, constant lr 1e-3): the same weights and batch "
-                                               "on 1 GPU and CP=2, bf16", figures(summary)))
+        append(args.record_file, script_record("python benchmarks/same_weights.py", sys.argv[1:], setup.words, figures(summary, setup)))
     return 0
 
 

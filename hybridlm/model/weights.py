@@ -106,21 +106,39 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, tp:
     group (DP ranks 0..EP-1: EP groups are consecutive chunks of DP), one EP rank each.
     Pass ``ps.grad_reduction`` as ``dp`` (DP x CP under context parallelism: CP ranks hold replicas).
     Every rank must call it; every rank gets the full dict. Meant for tests and small models:
-    it moves everything through ``all_gather_object``.
+    it moves everything through ``all_gather_object`` (``shard_entry`` and ``assemble_full``
+    do the same through files, for models too large to pickle between ranks).
     """
-    shardings = {name: _shardings(p) for name, p in model.named_parameters()}
-    mine = {"tp_rank": tp.rank, "dp_rank": dp.rank, "ep_rank": ep.rank, "ep_size": ep.size,
-            "tensors": {k: (v.detach().float().cpu().clone(), shardings[k]) for k, v in local.items()}}
+    mine = shard_entry(local, model, tp, dp, ep, first_replica_only=False)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         everyone = [mine]
     else:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+    return assemble_full(everyone)
+
+
+def _first_replica(dp_rank: int, ep_size: int, expert: bool) -> bool:
+    """Whether this DP rank's copy is the one a full tensor is assembled from (see ``gather_full_state_dict``)."""
+    return dp_rank < ep_size if expert else dp_rank == 0
+
+
+def shard_entry(local: dict[str, torch.Tensor], model: nn.Module, tp: GroupHandle, dp: GroupHandle, ep: GroupHandle = SINGLE,
+                *, first_replica_only: bool = True) -> dict:
+    """This rank's part of a full state dict, with what ``assemble_full`` needs to place it (fp32 on the host).
+    With ``first_replica_only`` the replicas that ``assemble_full`` would ignore carry no tensors."""
+    shardings = {name: _shardings(p) for name, p in model.named_parameters()}
+    tensors = {k: (v.detach().float().cpu().clone(), shardings[k]) for k, v in local.items()
+               if not first_replica_only or _first_replica(dp.rank, ep.size, shardings[k][1] is not None)}
+    return {"tp_rank": tp.rank, "dp_rank": dp.rank, "ep_rank": ep.rank, "ep_size": ep.size, "tensors": tensors}
+
+
+def assemble_full(entries: list[dict]) -> dict:
+    """Full tensors from every rank's ``shard_entry`` (in any order)."""
     pieces: dict[str, dict[tuple, tuple]] = {}
-    for entry in everyone:
+    for entry in entries:
         for name, (tensor, (tp_sharding, ep_sharding)) in entry["tensors"].items():
-            first_replica = entry["dp_rank"] < entry["ep_size"] if ep_sharding is not None else entry["dp_rank"] == 0
-            if first_replica:
+            if _first_replica(entry["dp_rank"], entry["ep_size"], ep_sharding is not None):
                 pieces.setdefault(name, {})[(entry["ep_rank"], entry["tp_rank"])] = (tensor, tp_sharding, ep_sharding)
     full = {}
     for name, by_rank in pieces.items():
