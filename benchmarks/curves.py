@@ -74,19 +74,39 @@ LAYOUTS_4GPU = {
         "cp4-a2a": (["--context-parallel-size", "4", "--cp-comm-type", "a2a"], "CP=4 a2a"),
     },
     "moe": {
+        "dp4": ([], "DP=4, experts replicated (no EP)"),
         "ep2-dp2": (["--expert-model-parallel-size", "2"], "EP=2 x DP=2"),
         "ep2-cp2": (["--expert-model-parallel-size", "2", "--context-parallel-size", "2"], "EP=2 x CP=2 (p2p)"),
+        "ep4": (["--expert-model-parallel-size", "4"], "EP=4"),
+        "ep2-tp2-sp": (["--expert-model-parallel-size", "2"] + TP2 + SP, "EP=2 x TP=2 SP"),
     },
+}
+# Rounding-only controls on one GPU, run beside the reference: the same sums in another order. Their gap to the
+# reference is what rounding alone, amplified over 200 steps, makes of the model; a layout's gap is read beside it.
+ONE_GPU_LAYOUTS = {
+    "dense": {"1gpu-mb2": (["--micro-batch-size", "2"], "1 GPU, micro-batches of 2 (rounding only)")},
+    "moe": {"1gpu-mb1": (["--micro-batch-size", "1"], "1 GPU, micro-batches of 1 (rounding only)")},
 }
 BATCH_4GPU, SKIP_4GPU, TOLERANCE_4GPU = 16, 10, 0.03
 REPLICA_CHECK = ["--check-weight-hash-across-dp-replicas-interval", "50"]
 
 
-def train(ranks: int, flags: list[str], metrics: str, log: str, on_cpu: bool) -> None:
+def start(ranks: int, flags: list[str], metrics: str, log: str, on_cpu: bool, gpu: int | None = None) -> subprocess.Popen:
+    """A training run in the background; ``gpu``: the one GPU a one-rank run sees (one-GPU runs side by side)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1") if on_cpu else None
+    head = launcher(ranks, 29400 + ranks + 10 * (gpu or 0), only=None if on_cpu else gpu)
     with open(log, "w") as out:
-        subprocess.run(launcher(ranks, 29400 + ranks) + ["scripts/pretrain.py"] + flags + ["--metrics-file", metrics],
-                       cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, check=True)
+        return subprocess.Popen(head + ["scripts/pretrain.py"] + flags + ["--metrics-file", metrics],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def train(ranks: int, flags: list[str], metrics: str, log: str, on_cpu: bool) -> None:
+    wait(start(ranks, flags, metrics, log, on_cpu))
+
+
+def wait(proc: subprocess.Popen) -> None:
+    if proc.wait():
+        raise subprocess.CalledProcessError(proc.returncode, proc.args)
 
 
 def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None) -> int:
@@ -94,14 +114,17 @@ def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None)
     model, words = MODELS_4GPU[what]
     flags = COMMON + TINY_BLOCK + model + ON_GPUS + REPLICA_CHECK + ["--global-batch-size", str(BATCH_4GPU)]
     one = os.path.join(work, "one.jsonl")
-    train(1, flags, one, os.path.join(work, "one.log"), on_cpu=False)
+    controls = [n for n in layouts if n in ONE_GPU_LAYOUTS[what]]
+    beside = {name: start(1, flags + ONE_GPU_LAYOUTS[what][name][0], os.path.join(work, f"{name}.jsonl"),
+                          os.path.join(work, f"{name}.log"), on_cpu=False, gpu=gpu) for gpu, name in enumerate(controls, start=1)}
+    wait(start(1, flags, one, os.path.join(work, "one.log"), on_cpu=False, gpu=0 if controls else None))
     reference, failures = load_losses(one), 0
-    for name in layouts:
-        layout, layout_words = LAYOUTS_4GPU[what][name]
+    for name in controls + [n for n in layouts if n not in controls]:
+        layout, layout_words = {**LAYOUTS_4GPU[what], **ONE_GPU_LAYOUTS[what]}[name]
         metrics = os.path.join(work, f"{name}.jsonl")
         label = f"{words}: {layout_words} vs 1 GPU, bf16, gbs {BATCH_4GPU}, 200 steps, replica check every 50"
         try:
-            train(4, flags + layout, metrics, os.path.join(work, f"{name}.log"), on_cpu=False)
+            wait(beside[name]) if name in beside else train(4, flags + layout, metrics, os.path.join(work, f"{name}.log"), on_cpu=False)
         except subprocess.CalledProcessError as e:
             failures += 1
             print(f"{layout_words}: the run failed (exit {e.returncode}); its log: {os.path.join(work, name + '.log')}", flush=True)
@@ -130,17 +153,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=("dense", "moe"))
     parser.add_argument("--gpus", type=int, default=0, help="8 or 4: the GPU cases; 0: 8 gloo ranks on this CPU")
-    parser.add_argument("--layouts", default=None, help=f"with --gpus 4: a comma list of {', '.join(n for v in LAYOUTS_4GPU.values() for n in v)}"
+    parser.add_argument("--layouts", default=None, help=f"with --gpus 4: a comma list of {', '.join(n for d in (ONE_GPU_LAYOUTS, LAYOUTS_4GPU) for v in d.values() for n in v)}"
                         " (default: all of the model's)")
     parser.add_argument("--record-file", default=None)
     parser.add_argument("--workdir", default=None, help="where the metrics files and logs go (default: a temporary folder)")
     args = parser.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix=f"curves_{args.what}_")
     if args.gpus == 4:
-        layouts = args.layouts.split(",") if args.layouts else list(LAYOUTS_4GPU[args.what])
-        unknown = [n for n in layouts if n not in LAYOUTS_4GPU[args.what]]
+        known = {**ONE_GPU_LAYOUTS[args.what], **LAYOUTS_4GPU[args.what]}
+        layouts = args.layouts.split(",") if args.layouts else list(known)
+        unknown = [n for n in layouts if n not in known]
         if unknown:
-            parser.error(f"--layouts: {unknown[0]!r} is not a four-GPU {args.what} layout ({', '.join(LAYOUTS_4GPU[args.what])})")
+            parser.error(f"--layouts: {unknown[0]!r} is not a four-GPU {args.what} layout ({', '.join(known)})")
         return four_gpus(args.what, layouts, work, args.record_file)
     if args.gpus not in (0, 8):
         parser.error("--gpus takes 8 or 4 (0: the CPU case)")

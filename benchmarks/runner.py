@@ -113,11 +113,13 @@ class Call:
         return self.port
 
 
-def launcher(gpus: int, port: int) -> list[str]:
-    """The deepspeed launcher for ``gpus`` ranks (on a CPU machine, gloo ranks)."""
+def launcher(gpus: int, port: int, only: Optional[int] = None) -> list[str]:
+    """The deepspeed launcher for ``gpus`` ranks (on a CPU machine, gloo ranks); ``only``: one rank on that GPU
+    (the launcher ignores CUDA_VISIBLE_DEVICES beside --num_gpus, so it is named with --include)."""
     deepspeed = shutil.which("deepspeed")
     head = [deepspeed] if deepspeed else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    return head + ["--num_gpus", str(gpus), "--master_port", str(port)]
+    where = ["--include", f"localhost:{only}"] if only is not None else ["--num_gpus", str(gpus)]
+    return head + where + ["--master_port", str(port)]
 
 
 def hybridlm_command(case: Case, system: str, record_file: str, call: Call, profile_dir: Optional[str]) -> list[str]:
