@@ -18,6 +18,7 @@ largest windowed gap and both curves (``python -m benchmarks render`` plots them
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -109,10 +110,26 @@ def wait(proc: subprocess.Popen) -> None:
         raise subprocess.CalledProcessError(proc.returncode, proc.args)
 
 
-def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None) -> int:
+def fp32_gradients_config(work: str) -> str:
+    """ds_configs/zero1.json with bf16 gradients accumulated over micro-batches and reduced over ranks in fp32
+    (``data_types.grad_accum_dtype`` and ``communication_data_type``; DeepSpeed then takes its BF16_Optimizer for ZeRO-1),
+    as Megatron-LM does by default with --bf16; written into ``work``."""
+    with open(os.path.join(ROOT, "ds_configs", "zero1.json")) as f:
+        config = json.load(f)
+    config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
+    path = os.path.join(work, "zero1_fp32_grads.json")
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None, fp32_grads: bool = False) -> int:
     """One GPU, then each layout on four; one record per layout (its gap, both curves); 1 if any diverges."""
     model, words = MODELS_4GPU[what]
     flags = COMMON + TINY_BLOCK + model + ON_GPUS + REPLICA_CHECK + ["--global-batch-size", str(BATCH_4GPU)]
+    if fp32_grads:
+        flags += ["--deepspeed_config", fp32_gradients_config(work)]
+        words += ", gradients accumulated and reduced in fp32"
     one = os.path.join(work, "one.jsonl")
     controls = [n for n in layouts if n in ONE_GPU_LAYOUTS[what]]
     beside = {name: start(1, flags + ONE_GPU_LAYOUTS[what][name][0], os.path.join(work, f"{name}.jsonl"),
@@ -155,6 +172,8 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=0, help="8 or 4: the GPU cases; 0: 8 gloo ranks on this CPU")
     parser.add_argument("--layouts", default=None, help=f"with --gpus 4: a comma list of {', '.join(n for d in (ONE_GPU_LAYOUTS, LAYOUTS_4GPU) for v in d.values() for n in v)}"
                         " (default: all of the model's)")
+    parser.add_argument("--fp32-grads", action="store_true", help="with --gpus 4: accumulate and reduce the bf16 runs' "
+                        "gradients in fp32 (Megatron-LM's default) instead of DeepSpeed's bf16")
     parser.add_argument("--record-file", default=None)
     parser.add_argument("--workdir", default=None, help="where the metrics files and logs go (default: a temporary folder)")
     args = parser.parse_args()
@@ -165,7 +184,7 @@ def main() -> int:
         unknown = [n for n in layouts if n not in known]
         if unknown:
             parser.error(f"--layouts: {unknown[0]!r} is not a four-GPU {args.what} layout ({', '.join(known)})")
-        return four_gpus(args.what, layouts, work, args.record_file)
+        return four_gpus(args.what, layouts, work, args.record_file, args.fp32_grads)
     if args.gpus not in (0, 8):
         parser.error("--gpus takes 8 or 4 (0: the CPU case)")
     model, layout, batch, words, skip, tolerance = SHAPES[(args.what, args.gpus > 0)]
