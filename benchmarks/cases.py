@@ -106,16 +106,18 @@ def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference
                 script=("benchmarks/plan_check.py", "--label", label, "--", "--model", model) + PLAN + flags)
 
 
-def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str, ...] = ()) -> Case:
+def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> Case:
     """benchmarks/curves.py's 200-step loss curves of layouts against one rank: the dense model for the scaling
-    suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, ~45 s a run), or 8 gloo ranks (0)."""
+    suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, ~100-125 s a four-GPU run with its
+    start-up on H200s; a one-GPU rounding-only control runs beside the reference), or 8 gloo ranks (0)."""
     kind = "moe" if suite == "moe" else "dense"
     on_gpus = ("--gpus", str(gpus)) if gpus else ()
     chosen = ("--layouts", ",".join(layouts)) if layouts else ()
-    timing = dict(expected_s=45 * (len(layouts) + 1), timeout_s=580) if layouts else (
+    four = [n for n in layouts if not n.startswith("1gpu")]
+    timing = dict(expected_s=120 * (len(four) + 1), timeout_s=580) if layouts else (
         dict(expected_s=500, timeout_s=580) if gpus else dict(expected_s=900, timeout_s=1800))
     return Case(name, suite, label, gpus=gpus, figures=("max windowed loss gap", "verdict"), launcher="python",
-                script=("benchmarks/curves.py", kind) + on_gpus + chosen, **timing)
+                script=("benchmarks/curves.py", kind) + on_gpus + chosen + extra, **timing)
 
 
 CASES = (
@@ -185,8 +187,18 @@ CASES = (
          "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "3584", "--num-experts", "8", "--moe-router-topk", "2",
          "--moe-aux-loss-coeff", "0.02", "--micro-batch-size", "2", "--expert-model-parallel-size", "4",
          "--global-batch-size", "64") + BF16, peers=("megatron-lm",)),
-    _curve("curve-moe-4gpu", "moe", "Mixtral-style d768 L8 (240M), 200 steps at EP=2 x DP=2 and EP=2 x CP=2 against 1 GPU",
-           gpus=4, layouts=("ep2-dp2", "ep2-cp2")),
+    _curve("curve-moe-4gpu-a", "moe", "Mixtral-style d768 L8 (240M), 200 steps at EP=2 x DP=2 and EP=2 x CP=2 against 1 GPU, "
+           "beside one GPU with micro-batches of 1", gpus=4, layouts=("1gpu-mb1", "ep2-dp2", "ep2-cp2")),
+    _curve("curve-moe-4gpu-b", "moe", "the same model, 200 steps at EP=4 and EP=2 x TP=2 SP against 1 GPU, beside one GPU "
+           "with micro-batches of 1", gpus=4, layouts=("1gpu-mb1", "ep4", "ep2-tp2-sp")),
+    _curve("curve-moe-4gpu-fp32-grads", "moe", "the same model and layouts (and DP=4 without EP), gradients accumulated "
+           "and reduced in fp32 (Megatron-LM's bf16 default)", gpus=4, layouts=("1gpu-mb1", "dp4", "ep2-dp2", "ep2-cp2"),
+           extra=("--fp32-grads",)),
+    Case("moe-same-weights", "moe", "the same Mixtral-style model: from one GPU's weights of iteration 60, one step of "
+         "1 GPU (bf16, fp32, micro-batches of 1), DP=4, EP=2 x DP=2, EP=2 x CP=2, EP=4 and EP=2 x TP=2 SP", gpus=4,
+         launcher="python", script=("benchmarks/same_weights.py", "--model", "moe", "--steps", "0"), expected_s=330,
+         timeout_s=560, figures=("clip norm / gradient norm at 60", "gradient error to fp32 at 60", "update error to 1 GPU at 60",
+                                 "verdict")),
     _curve("curve-moe-8gpu", "moe", "the same Mixtral-style model, 200 steps at EP=4 x DP=8 against 1 GPU", gpus=8),
     _curve("curve-moe-cpu", "moe", "tiny model with 8 experts top-2, 200 steps at EP=4 x DP=8 (8 gloo ranks) against 1 rank"),
     # several GPUs
@@ -208,9 +220,9 @@ CASES = (
          gpus=8, steps=10, warmup=4, flags=BF16 + ("--num-layers", "24", "--torch-compile", "--tensor-model-parallel-size", "2",
          "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"), peers=("megatron-lm",)),
     _curve("curve-dense-4gpu-a", "scaling", "Llama-style d1024 L10 (120M), 200 steps at DP=4 ZeRO-1, DP=4 ZeRO-3, TP=2 SP x DP=2, "
-           "TP=2 x PP=2, PP=2 x DP=2 against 1 GPU", gpus=4, layouts=("dp4-zero1", "dp4-zero3", "tp2-sp-dp2", "tp2-pp2", "pp2-dp2")),
+           "TP=2 x PP=2, PP=2 x DP=2 against 1 GPU", gpus=4, layouts=("1gpu-mb2", "dp4-zero1", "dp4-zero3", "tp2-sp-dp2", "tp2-pp2", "pp2-dp2")),
     _curve("curve-dense-4gpu-b", "scaling", "the same model, 200 steps at CP=2 p2p x DP=2, CP=2 a2a x TP=2, CP=4 p2p, CP=4 a2a "
-           "against 1 GPU", gpus=4, layouts=("cp2-p2p-dp2", "cp2-a2a-tp2", "cp4-p2p", "cp4-a2a")),
+           "against 1 GPU", gpus=4, layouts=("1gpu-mb2", "cp2-p2p-dp2", "cp2-a2a-tp2", "cp4-p2p", "cp4-a2a")),
     _curve("curve-dense-8gpu", "scaling", "the same 1.3B model, 200 steps at TP=2 SP x PP=2 x DP=2 against 1 GPU", gpus=8),
     _curve("curve-dense-cpu", "scaling", "built-in tiny model, 200 steps at TP=2 SP x PP=2 x DP=2 (8 gloo ranks) against 1 rank"),
     # the largest model on one GPU

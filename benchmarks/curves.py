@@ -14,6 +14,13 @@ this CPU, fp32. Same seed, data (the built-in corpus, ~0.5M byte tokens: the GPU
 times over) and global batch in every run, so the curves differ by rounding only;
 ``scripts/compare_runs.py``'s comparison (windows of 10 steps) decides, and the record keeps the
 largest windowed gap and both curves (``python -m benchmarks render`` plots them).
+
+Rounding alone can part two curves by more than the tolerance. On 4 H200s the MoE model passes through a fast
+phase at steps 60-110 where one GPU with micro-batches of 1 sat 3.5% from one GPU with micro-batches of 2, and
+DP=4 without EP 5.6%, while from the same weights every layout took one GPU's step to bf16 rounding
+(benchmarks/same_weights.py --model moe). So the four-GPU cases run a rounding-only control on a second GPU beside
+the reference (``ONE_GPU_LAYOUTS``: the same run with another micro-batch size) and a layout tracks when its gap
+stays within the tolerance beyond the control's (``hybridlm.training.curves.allowed_gap``).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.records import append, script_record  # noqa: E402
 from benchmarks.runner import launcher  # noqa: E402
-from hybridlm.training.curves import compare, load_losses  # noqa: E402
+from hybridlm.training.curves import allowed_gap, compare, load_losses  # noqa: E402
 
 # what, on GPUs / on CPU: (model flags, layout flags, global batch, layout words, skip, tolerance)
 SHAPES = {
@@ -135,33 +142,43 @@ def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None,
     beside = {name: start(1, flags + ONE_GPU_LAYOUTS[what][name][0], os.path.join(work, f"{name}.jsonl"),
                           os.path.join(work, f"{name}.log"), on_cpu=False, gpu=gpu) for gpu, name in enumerate(controls, start=1)}
     wait(start(1, flags, one, os.path.join(work, "one.log"), on_cpu=False, gpu=0 if controls else None))
-    reference, failures = load_losses(one), 0
+    reference, failures, rounding = load_losses(one), 0, None
     for name in controls + [n for n in layouts if n not in controls]:
         layout, layout_words = {**LAYOUTS_4GPU[what], **ONE_GPU_LAYOUTS[what]}[name]
         metrics = os.path.join(work, f"{name}.jsonl")
         label = f"{words}: {layout_words} vs 1 GPU, bf16, gbs {BATCH_4GPU}, 200 steps, replica check every 50"
+        argv = [what, "--gpus", "4", "--layouts", name] + (["--fp32-grads"] if fp32_grads else [])
         try:
             wait(beside[name]) if name in beside else train(4, flags + layout, metrics, os.path.join(work, f"{name}.log"), on_cpu=False)
         except subprocess.CalledProcessError as e:
             failures += 1
             print(f"{layout_words}: the run failed (exit {e.returncode}); its log: {os.path.join(work, name + '.log')}", flush=True)
             if record_file:
-                append(record_file, script_record("python benchmarks/curves.py", [what, "--gpus", "4", "--layouts", name], label,
-                                                  {}, status="failed", error=f"exit {e.returncode}"))
+                append(record_file, script_record("python benchmarks/curves.py", argv, label, {}, status="failed", error=f"exit {e.returncode}"))
             continue
         curve = load_losses(metrics)
         result = compare(reference, curve, window=10, skip=SKIP_4GPU)
-        tracks = result.max_gap <= TOLERANCE_4GPU
-        failures += not tracks
-        print(f"{words}, {layout_words}: largest windowed loss gap {100 * result.max_gap:.2f}% over 200 steps against 1 GPU "
-              f"(steps {result.worst_window[0]}-{result.worst_window[1]}; tolerance {100 * TOLERANCE_4GPU:.0f}%): "
-              f"{'tracks' if tracks else 'DIVERGES'}", flush=True)
+        gap = f"{100 * result.max_gap:.2f}% (window 10, after step {SKIP_4GPU})"
+        if name in controls:  # what rounding alone makes of one GPU's run: the band the layouts are judged beyond
+            rounding = max(rounding or 0.0, result.max_gap)
+            verdict, row = "rounding-only control", {}
+            print(f"{words}, {layout_words}: largest windowed loss gap {100 * result.max_gap:.2f}% over 200 steps against 1 GPU "
+                  f"(steps {result.worst_window[0]}-{result.worst_window[1]}): what rounding alone does", flush=True)
+        else:
+            allowed = allowed_gap(TOLERANCE_4GPU, rounding)
+            tracks = result.max_gap <= allowed
+            failures += not tracks
+            verdict = "tracks" if tracks else "DIVERGES"
+            band = f"tolerance {100 * TOLERANCE_4GPU:.0f}%" + (f" beyond the rounding-only control's {100 * rounding:.2f}%" if rounding else "")
+            row = {} if tracks else dict(status="failed", error=f"diverges: windowed gap {gap}, {band}")
+            print(f"{words}, {layout_words}: largest windowed loss gap {100 * result.max_gap:.2f}% over 200 steps against 1 GPU "
+                  f"(steps {result.worst_window[0]}-{result.worst_window[1]}; {band}): {verdict}", flush=True)
         if record_file:
-            gap = f"{100 * result.max_gap:.2f}% (window 10, after step {SKIP_4GPU})"
-            verdict = {} if tracks else dict(status="failed", error=f"diverges: windowed gap {gap}, tolerance {100 * TOLERANCE_4GPU:.0f}%")
+            shown = {"max windowed loss gap": gap, "verdict": verdict}
+            if rounding is not None and name not in controls:
+                shown["rounding-only control's gap"] = f"{100 * rounding:.2f}%"
             append(record_file, script_record(
-                "python benchmarks/curves.py", [what, "--gpus", "4", "--layouts", name], label,
-                {"max windowed loss gap": gap, "verdict": "tracks" if tracks else "DIVERGES"}, **verdict,
+                "python benchmarks/curves.py", argv, label, shown, **row,
                 curve={"layout": name, "reference": [reference[i] for i in sorted(reference)], "losses": [curve[i] for i in sorted(curve)]}))
     return 1 if failures else 0
 

@@ -154,16 +154,17 @@ def plot_curves(records: list[dict], path: str = CURVES) -> int:
     references = {}
     for r in sorted(chosen, key=lambda r: (r.get("case", ""), r["curve"]["layout"])):
         reference, losses, name = r["curve"]["reference"], r["curve"]["losses"], r["curve"]["layout"]
-        kind = "MoE" if r.get("suite") == "moe" else "dense"
+        kind = (r.get("case") or ("MoE" if r.get("suite") == "moe" else "dense")).removeprefix("curve-")
         if kind not in references:
             references[kind] = reference
             left.plot(range(1, len(reference) + 1), reference, color="black", linewidth=2.5, alpha=0.35, label=f"{kind}: 1 GPU")
-        left.plot(range(1, len(losses) + 1), losses, linewidth=0.8, label=f"{kind}: {name}")
+        style = dict(linestyle="--") if name.startswith("1gpu") else {}  # a rounding-only control on one GPU
+        left.plot(range(1, len(losses) + 1), losses, linewidth=0.8, label=f"{kind}: {name}", **style)
         gaps = [100 * (sum(losses[i:i + 10]) - sum(reference[i:i + 10])) / sum(reference[i:i + 10])
                 for i in range(0, len(losses) - 9, 10)]
-        right.plot([i + 10 for i in range(0, len(losses) - 9, 10)], gaps, marker=".", linewidth=0.8, label=f"{kind}: {name}")
+        right.plot([i + 10 for i in range(0, len(losses) - 9, 10)], gaps, marker=".", linewidth=0.8, label=f"{kind}: {name}", **style)
     left.set(title="loss, each layout over its one-GPU run", xlabel="step", ylabel="loss", yscale="log")
-    right.axhspan(-3, 3, color="green", alpha=0.08, label="tolerance (3%)")
+    right.axhspan(-3, 3, color="green", alpha=0.08, label="tolerance (3%; counted beyond a dashed control's gap)")
     right.set(title="gap of 10-step means to one GPU", xlabel="step", ylabel="%")
     for axis in (left, right):
         axis.grid(alpha=0.3)

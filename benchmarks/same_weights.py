@@ -258,6 +258,34 @@ def compare_probes(work: str, s: int, variants: dict) -> dict:
     return out
 
 
+ROUNDING_ONLY = (SAVER, "1 GPU bf16 mb 1")  # one GPU in bf16: what rounding alone does to the step
+
+
+def judge(by_variant: dict) -> dict[str, str | None]:
+    """Each variant's fault on the same weights, or None: its loss no further from fp32 than twice one GPU's bf16 loss
+    is (or 1e-3 relative), its clip norm the norm of its own gradient (to 2e-3), and each group's gradient error to
+    fp32 within 1.5x the largest of the rounding-only variants' (one GPU in bf16, with micro-batches of 2 and of 1).
+    A wrong scale of one group's gradient (the expert gradients EP times too large, say) or a clip norm summed over
+    the wrong ranks fails here on the first step, where a loss curve would need tens of steps to show it."""
+    exact, one = by_variant[REFERENCE], by_variant[SAVER]
+    floor = {g: max(by_variant[n]["grad_err_vs_fp32"].get(g, 0.0) for n in ROUNDING_ONLY if n in by_variant)
+             for g in exact["grad_norm"]}
+    faults = {}
+    for name, v in by_variant.items():
+        fault = None
+        if abs(v["loss"] - exact["loss"]) > max(2 * abs(one["loss"] - exact["loss"]), 1e-3 * exact["loss"]):
+            fault = f"loss {v['loss']:.4f} on the same weights, fp32 {exact['loss']:.4f}, one GPU {one['loss']:.4f}"
+        elif abs(v["clip_norm"] - v["full_grad_norm"]) > 2e-3 * v["full_grad_norm"]:
+            fault = f"clipped with norm {v['clip_norm']:.4f} while its gradient's norm is {v['full_grad_norm']:.4f}"
+        else:
+            worse = [g for g, err in v["grad_err_vs_fp32"].items() if g in floor and err > 1.5 * floor[g] + 1e-6]
+            if worse:
+                g = worse[0]
+                fault = (f"{g} gradient {v['grad_err_vs_fp32'][g]:.1e} from fp32, rounding alone {floor[g]:.1e}")
+        faults[name] = fault
+    return faults
+
+
 def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | None = None) -> dict:
     """The trajectories (``steps`` each; with 0 only the saver, up to max(at)) and the probes from each iteration in
     ``at``; returns {"trajectories": {variant: losses}, "probes": {iteration: {variant: figures}}}. ``variants`` (default:
@@ -291,7 +319,14 @@ def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | Non
             summary["trajectories"][name] = _losses(os.path.join(work, f"traj_{name.replace(' ', '_')}.jsonl"))
     for s in at:
         summary["probes"][s] = compare_probes(work, s, variants)
+        for name, fault in judge(summary["probes"][s]).items():
+            summary["probes"][s][name]["fault"] = fault
     return summary
+
+
+def faults(summary: dict) -> list[str]:
+    """'from S, variant: fault' for every probe that failed ``judge``."""
+    return [f"from {s}, {name}: {v['fault']}" for s, by in summary["probes"].items() for name, v in by.items() if v.get("fault")]
 
 
 def _groups(values: dict | None, fmt: str) -> str:
@@ -318,6 +353,9 @@ def table(summary: dict) -> str:
                          f"{v['full_grad_norm']:9.4f} {v['clip_coefficient']:6.3f} {tokens:>6s}  {_groups(v['grad_norm'], '.3e'):26s} "
                          f"{_groups(v['grad_err_vs_fp32'], '.1e'):26s} {_groups(v['update_norm'], '.3e'):26s} "
                          f"{_groups(v.get('update_err_vs_1gpu'), '.1e'):26s}")
+    wrong = faults(summary)
+    lines += ["", "Verdict: " + ("; ".join(wrong) if wrong else "every variant takes one GPU's step, to bf16 rounding (loss, clip "
+                                  "norm, each group's gradient against fp32 as close as one GPU's)")]
     return "\n".join(lines)
 
 
@@ -337,6 +375,8 @@ def figures(summary: dict, setup: Setup) -> dict:
             f"{short(n)} {_groups(v['update_err_vs_1gpu'], '.1e')}" for n, v in by.items() if n not in (REFERENCE, SAVER))
         out[f"loss {s + 2} after each one's own update from {s}"] = " / ".join(
             f"{short(n)} {v['next_loss']:.4f}" for n, v in by.items() if n != REFERENCE)
+    wrong = faults(summary)
+    out["verdict"] = "; ".join(wrong) if wrong else "every variant takes one GPU's step"
     for s in sorted({int(s) + 1 for s in summary["probes"]}):
         reached = [f"{short(n)} {v[s - 1]:.3f}" for n, v in summary["trajectories"].items() if len(v) >= s]
         if reached:
@@ -380,8 +420,11 @@ def main() -> int:
         json.dump(summary, f, indent=1)
     if args.record_file:
         from benchmarks.records import append, script_record
-        append(args.record_file, script_record("python benchmarks/same_weights.py", sys.argv[1:], setup.words, figures(summary, setup)))
-    return 0
+        wrong = faults(summary)
+        verdict = dict(status="failed", error="; ".join(wrong)) if wrong else {}
+        append(args.record_file, script_record("python benchmarks/same_weights.py", sys.argv[1:], setup.words, figures(summary, setup),
+                                               **verdict))
+    return 1 if faults(summary) else 0
 
 
 if __name__ == "__main__":

@@ -91,6 +91,36 @@ def test_every_case_is_well_formed_and_its_flags_validate():
     assert {c.suite for c in CASES} >= set(SUITES)
 
 
+def test_every_curve_case_names_layouts_benchmarks_curves_knows():
+    from benchmarks.curves import LAYOUTS_4GPU, ONE_GPU_LAYOUTS
+    for case in CASES:
+        if case.script and case.script[0] == "benchmarks/curves.py" and "--layouts" in case.script:
+            kind, names = case.script[1], case.script[case.script.index("--layouts") + 1].split(",")
+            assert set(names) <= {*LAYOUTS_4GPU[kind], *ONE_GPU_LAYOUTS[kind]}, case.name
+
+
+def _probe(loss, clip, grad_err, norm=0.9275):
+    groups = dict(zip(("dense", "router", "experts"), grad_err))
+    return {"loss": loss, "clip_norm": clip, "full_grad_norm": norm, "grad_err_vs_fp32": {**groups, "all": grad_err[0]},
+            "grad_norm": {**groups, "all": norm}}
+
+
+def test_same_weights_verdict_names_a_wrong_gradient_scale_a_wrong_clip_norm_and_a_wrong_loss():
+    # figures of the MoE probe from iteration 60 on 4 H200s (benchmarks/records), then one fault at a time
+    from benchmarks.same_weights import REFERENCE, SAVER, judge
+    probes = {SAVER: _probe(2.2853, 0.9276, (4.1e-2, 4.4e-2, 4.3e-2), 0.9276),
+              "1 GPU bf16 mb 1": _probe(2.2853, 0.9280, (4.1e-2, 7.0e-2, 4.4e-2), 0.9280),
+              REFERENCE: _probe(2.2850, 0.9373, (0.0, 0.0, 0.0), 0.9373),
+              "EP2 x DP2": _probe(2.2853, 0.9275, (4.1e-2, 4.4e-2, 4.3e-2))}
+    assert not any(judge(probes).values())
+    scaled = {**probes, "EP2 x DP2": _probe(2.2853, 0.9275, (4.1e-2, 4.4e-2, 1.0))}  # expert gradients EP times too large
+    assert judge(scaled)["EP2 x DP2"].startswith("experts gradient 1.0e+00 from fp32")
+    summed = {**probes, "EP2 x DP2": _probe(2.2853, 1.1131, (4.1e-2, 4.4e-2, 4.3e-2))}  # a clip norm over the wrong ranks
+    assert judge(summed)["EP2 x DP2"].startswith("clipped with norm 1.1131")
+    off = {**probes, "EP2 x DP2": _probe(2.3100, 0.9275, (4.1e-2, 4.4e-2, 4.3e-2))}
+    assert judge(off)["EP2 x DP2"].startswith("loss 2.3100")
+
+
 def test_megatron_gets_the_cases_model_batch_and_its_best_flags():
     args = megatron.megatron_args(runner.run_config(BY_NAME["ref-bf16"]), iters=20)
     value = {flag: args[i + 1] for i, flag in enumerate(args[:-1]) if flag.startswith("--") and not args[i + 1].startswith("--")}

@@ -141,6 +141,17 @@ def test_grouped_gemm_is_as_close_to_fp32_as_the_bf16_expert_loop_at_the_curve_m
     if empty is not None:
         assert grouped[2][empty].abs().max() == 0, "an expert without rows got a nonzero weight gradient"
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (NCCL)")
+def test_every_four_gpu_ep_layout_takes_one_gpus_step_on_the_same_weights(tmp_path):
+    # The sharp instrument for EP (benchmarks/same_weights.py --model moe): from one GPU's checkpoint, one step of
+    # each layout; loss, clip norm and each group's gradient (dense, router, experts) against fp32 no further than
+    # one GPU's own bf16 step is (at iteration 60 on 4 H200s: every layout within rounding, benchmarks/records).
+    from benchmarks.same_weights import SETUPS, faults, run
+    summary = run(str(tmp_path), at=[3], steps=0, setup=SETUPS["moe"])
+    assert not faults(summary), faults(summary)
+
 # ---------------------------------------------------------------- every layout equals one process
 
 @pytest.mark.parametrize("world, layout, zero", [
