@@ -2,9 +2,10 @@
 import json
 import os
 
+import pytest
 from oracle import ROOT, TINY, ds_config
 
-from hybridlm.config import parse_args
+from hybridlm.config import ConfigError, parse_args
 from hybridlm.training.trainer import prepare_config
 
 
@@ -19,3 +20,44 @@ def test_a_json_that_configures_the_throughput_timer_keeps_its_setting(tmp_path)
     path.write_text(json.dumps({**shipped, "timers": {"throughput": {"enabled": True, "synchronized": True}}}))
     _, ds = prepare_config(parse_args(TINY + ["--deepspeed_config", str(path)]))
     assert ds["timers"]["throughput"] == {"enabled": True, "synchronized": True}
+
+
+def test_megatrons_fp32_gradient_accumulation_and_reduction_become_deepspeeds_dtypes():
+    _, ds = prepare_config(parse_args(TINY + ["--bf16", "--accumulate-allreduce-grads-in-fp32"] + ds_config("zero1")))
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
+    _, ds = prepare_config(parse_args(TINY + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16"]
+                                      + ds_config("zero1")))
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "bf16"
+    _, ds = prepare_config(parse_args(TINY + ["--bf16"] + ds_config("zero1")))  # DeepSpeed's default: bf16 throughout
+    assert "data_types" not in ds and "communication_data_type" not in ds
+
+
+def test_a_json_that_contradicts_fp32_gradients_is_refused_naming_the_key(tmp_path):
+    shipped = json.load(open(os.path.join(ROOT, "ds_configs", "zero1.json")))
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**shipped, "communication_data_type": "bf16"}))
+    with pytest.raises(ConfigError, match='asks for "communication_data_type": "fp32" but .*ds.json says \'bf16\''):
+        prepare_config(parse_args(TINY + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--deepspeed_config", str(path)]))
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--fp16", "--accumulate-allreduce-grads-in-fp32"], "cannot be combined with --fp16"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 needs --bf16"),
+], ids=["fp16", "reduce-in-bf16-without-bf16"])
+def test_gradient_precision_flags_that_cannot_work_are_one_sentence(flags, sentence):
+    with pytest.raises(ConfigError, match=sentence):
+        parse_args(TINY + flags + ds_config("zero1")).validate(world_size=1)
+
+
+def test_fp32_gradients_at_ep2_x_dp2_in_bf16_follow_one_process_to_bf16_rounding():
+    # DeepSpeed's BF16_Optimizer (what ZeRO-1 takes with fp32 accumulation) with expert parameter groups: the
+    # EP layout's losses and gradient norms stay with one process's over 6 bf16 steps.
+    from harness import run_ranks
+    from oracle import train_and_probe
+    flags = TINY + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--num-experts", "4", "--moe-router-topk", "2",
+                    "--lr", "1e-3"] + ds_config("zero1")
+    single = run_ranks(1, train_and_probe, flags, 6)[0]
+    split = run_ranks(4, train_and_probe, flags + ["--expert-model-parallel-size", "2"], 6)[0]
+    for key in ("losses", "grad_norms"):
+        for step, (want, got) in enumerate(zip(single[key], split[key]), start=1):
+            assert abs(got - want) <= 2e-2 * abs(want), f"step {step} {key[:-1]}: EP2 x DP2 {got}, one process {want}"

@@ -277,10 +277,21 @@ def _fp8_param_gather(cfg) -> Optional[str]:
             "primary weights); memory and all-gather traffic are those of bf16 weights")
 
 
-def _grad_reduce_in_bf16(cfg) -> Optional[str]:
-    if cfg.train.grad_reduce_in_bf16 and not cfg.train.bf16:
+def _gradient_precision(cfg) -> Optional[str]:
+    """--accumulate-allreduce-grads-in-fp32 and --grad-reduce-in-bf16 (Megatron: fp32 accumulation and reduction by
+    default with --bf16, the reduction in bf16 with the latter); the DeepSpeed keys are set in ``finalize_ds_config``."""
+    t = cfg.train
+    if t.grad_reduce_in_bf16 and not t.bf16:
         raise ConfigError("--grad-reduce-in-bf16 needs --bf16.")
-    if cfg.train.grad_reduce_in_bf16:
+    if t.accumulate_allreduce_grads_in_fp32 and t.fp16:
+        raise ConfigError("--accumulate-allreduce-grads-in-fp32 cannot be combined with --fp16: DeepSpeed keeps fp16 "
+                          "gradients in fp16 (use --bf16).")
+    if t.accumulate_allreduce_grads_in_fp32 and not t.bf16:
+        return "--accumulate-allreduce-grads-in-fp32: fp32 gradients are accumulated and reduced in fp32 anyway"
+    if t.accumulate_allreduce_grads_in_fp32 and cfg.model.gradient_accumulation_fusion:
+        raise ConfigError("--accumulate-allreduce-grads-in-fp32 cannot be combined with --gradient-accumulation-fusion: "
+                          "DeepSpeed then accumulates into fp32 buffers of its own, which Transformer Engine's GEMMs do not write.")
+    if t.grad_reduce_in_bf16 and not t.accumulate_allreduce_grads_in_fp32:
         return "--grad-reduce-in-bf16: DeepSpeed's bf16 gradients are reduced in bf16"
     return None
 
@@ -304,7 +315,7 @@ def _profile(cfg) -> Optional[str]:
 
 
 _RULES: tuple[Callable, ...] = (_distributed_optimizer, _overlap_grad_reduce, _overlap_param_gather, _rotary_percent,
-                                 _dispatcher, _fp8_param_gather, _grad_reduce_in_bf16, _ckpt_format, _profile)
+                                 _dispatcher, _fp8_param_gather, _gradient_precision, _ckpt_format, _profile)
 
 
 def markdown() -> str:

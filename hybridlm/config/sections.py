@@ -99,7 +99,8 @@ class TrainConfig:
     empty_unused_memory_level: int = flag(0, "Release the CUDA caching allocator's unused blocks (torch.cuda.empty_cache): 1 after every step and every evaluation batch, 2 also after every micro-batch's backward (PP = 1).")
     check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(None, "Every N steps (and after start-up) compare a hash of the weights across the replicas that must hold the same ones (DP x CP ranks of a TP/PP shard; expert-DP ranks of an expert shard) and stop, naming the ranks and the first parameter, if they differ (Megatron's flag; default: never).")
     skip_memory_check: bool = flag(False, "Start even where the memory planner says the run cannot fit its GPU (otherwise refused at start-up, before any process group, when 85% of the planned peak is above the GPU's memory; LoRA and QLoRA runs are not checked).")
-    grad_reduce_in_bf16: bool = flag(False, "Megatron reduces bf16 gradients in bf16 with it, in fp32 without; DeepSpeed's bf16 runs here reduce in bf16 either way (set data_types.grad_accum_dtype fp32 in the JSON for fp32).")
+    accumulate_allreduce_grads_in_fp32: bool = flag(False, "With --bf16: accumulate the gradients over micro-batches and reduce them over ranks in fp32 (Megatron-LM's flag, on by default in its bf16 runs; off here, where DeepSpeed accumulates and reduces in bf16): DeepSpeed's data_types.grad_accum_dtype and communication_data_type fp32. ZeRO-1 then runs DeepSpeed's BF16_Optimizer, ZeRO-3 accumulates its partitions in fp32, ZeRO-2 reduces in fp32 but accumulates in bf16.")
+    grad_reduce_in_bf16: bool = flag(False, "With --accumulate-allreduce-grads-in-fp32: reduce in bf16, accumulate in fp32 (Megatron's meaning); without it DeepSpeed's bf16 runs reduce in bf16 anyway.")
 
     def schedule_in_samples(self) -> tuple[float, float, Optional[float]]:
         """(warm-up, decay, WSD decay) lengths in samples, as Megatron's scheduler counts

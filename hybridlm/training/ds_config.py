@@ -101,6 +101,17 @@ def check_gradient_accumulation_fusion(ds: dict, cfg: RunConfig, offloaded: list
                           f"in {path}: DeepSpeed then moves every micro-batch's gradients into an accumulator of its own.")
 
 
+def _set_gradient_precision(ds: dict, accumulate: str, reduce: str, path: str) -> None:
+    """--accumulate-allreduce-grads-in-fp32 (and --grad-reduce-in-bf16): DeepSpeed's accumulation and communication
+    dtypes, unless the JSON says otherwise, which is refused."""
+    for keys, value in ((("data_types", "grad_accum_dtype"), accumulate), (("communication_data_type",), reduce)):
+        given = _get(ds, keys)
+        if given not in (None, "auto") and str(given).lower().replace("float32", "fp32").replace("bfloat16", "bf16") != value:
+            raise ConfigError(f"--accumulate-allreduce-grads-in-fp32 asks for \"{'.'.join(keys)}\": \"{value}\" but {path} "
+                              f"says {given!r}; set one of them.")
+        _set(ds, keys, value)
+
+
 def offload_device(ds: dict, what: str) -> str | None:
     device = _get(ds, ("zero_optimization", f"offload_{what}", "device"))
     return None if device in (None, "none") else device
@@ -137,6 +148,8 @@ def finalize_ds_config(ds: dict, cfg: RunConfig) -> dict:
     if p.sequence_parallel:
         # Activations between stages differ across TP ranks under SP: never split-and-regather them.
         ds["pipeline"] = {**ds.get("pipeline", {}), "pipe_partitioned": False, "grad_partitioned": False}
+    if t.bf16 and t.accumulate_allreduce_grads_in_fp32:
+        _set_gradient_precision(ds, "fp32", "bf16" if t.grad_reduce_in_bf16 else "fp32", t.deepspeed_config)
     for what in ("optimizer", "param"):
         key = ("zero_optimization", f"offload_{what}", "nvme_path")
         if _get(ds, key) == "auto":
