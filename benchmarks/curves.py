@@ -25,7 +25,6 @@ stays within the tolerance beyond the control's (``hybridlm.training.curves.allo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -117,25 +116,12 @@ def wait(proc: subprocess.Popen) -> None:
         raise subprocess.CalledProcessError(proc.returncode, proc.args)
 
 
-def fp32_gradients_config(work: str) -> str:
-    """ds_configs/zero1.json with bf16 gradients accumulated over micro-batches and reduced over ranks in fp32
-    (``data_types.grad_accum_dtype`` and ``communication_data_type``; DeepSpeed then takes its BF16_Optimizer for ZeRO-1),
-    as Megatron-LM does by default with --bf16; written into ``work``."""
-    with open(os.path.join(ROOT, "ds_configs", "zero1.json")) as f:
-        config = json.load(f)
-    config.update(data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32")
-    path = os.path.join(work, "zero1_fp32_grads.json")
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
-    return path
-
-
 def four_gpus(what: str, layouts: list[str], work: str, record_file: str | None, fp32_grads: bool = False) -> int:
     """One GPU, then each layout on four; one record per layout (its gap, both curves); 1 if any diverges."""
     model, words = MODELS_4GPU[what]
     flags = COMMON + TINY_BLOCK + model + ON_GPUS + REPLICA_CHECK + ["--global-batch-size", str(BATCH_4GPU)]
-    if fp32_grads:
-        flags += ["--deepspeed_config", fp32_gradients_config(work)]
+    if fp32_grads:  # DeepSpeed's grad_accum_dtype and communication_data_type fp32 (hybridlm.training.ds_config)
+        flags += ["--accumulate-allreduce-grads-in-fp32"]
         words += ", gradients accumulated and reduced in fp32"
     one = os.path.join(work, "one.jsonl")
     controls = [n for n in layouts if n in ONE_GPU_LAYOUTS[what]]
@@ -189,7 +175,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=0, help="8 or 4: the GPU cases; 0: 8 gloo ranks on this CPU")
     parser.add_argument("--layouts", default=None, help=f"with --gpus 4: a comma list of {', '.join(n for d in (ONE_GPU_LAYOUTS, LAYOUTS_4GPU) for v in d.values() for n in v)}"
                         " (default: all of the model's)")
-    parser.add_argument("--fp32-grads", action="store_true", help="with --gpus 4: accumulate and reduce the bf16 runs' "
+    parser.add_argument("--fp32-grads", action="store_true", help="with --gpus 4: --accumulate-allreduce-grads-in-fp32, the bf16 runs' "
                         "gradients in fp32 (Megatron-LM's default) instead of DeepSpeed's bf16")
     parser.add_argument("--record-file", default=None)
     parser.add_argument("--workdir", default=None, help="where the metrics files and logs go (default: a temporary folder)")

@@ -32,12 +32,21 @@ def test_megatrons_fp32_gradient_accumulation_and_reduction_become_deepspeeds_dt
     assert "data_types" not in ds and "communication_data_type" not in ds
 
 
-def test_a_json_that_contradicts_fp32_gradients_is_refused_naming_the_key(tmp_path):
+@pytest.mark.parametrize("given, sentence", [
+    ("bf16", 'asks for "communication_data_type": "fp32" but .*ds.json says \'bf16\''),
+    ("float32", None),  # DeepSpeed's other name for fp32 agrees
+    ("fp33", '"communication_data_type": \'fp33\' in .*ds.json is not a dtype DeepSpeed knows'),
+], ids=["contradicts", "same-dtype-other-name", "not-a-dtype"])
+def test_a_json_that_contradicts_fp32_gradients_is_refused_naming_the_key(tmp_path, given, sentence):
     shipped = json.load(open(os.path.join(ROOT, "ds_configs", "zero1.json")))
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({**shipped, "communication_data_type": "bf16"}))
-    with pytest.raises(ConfigError, match='asks for "communication_data_type": "fp32" but .*ds.json says \'bf16\''):
-        prepare_config(parse_args(TINY + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--deepspeed_config", str(path)]))
+    path.write_text(json.dumps({**shipped, "communication_data_type": given}))
+    flags = TINY + ["--bf16", "--accumulate-allreduce-grads-in-fp32", "--deepspeed_config", str(path)]
+    if sentence is None:
+        assert prepare_config(parse_args(flags))[1]["communication_data_type"] == "fp32"
+    else:
+        with pytest.raises(ConfigError, match=sentence):
+            prepare_config(parse_args(flags))
 
 
 @pytest.mark.parametrize("flags, sentence", [

@@ -109,7 +109,7 @@ def gather_full_state_dict(local: dict[str, torch.Tensor], model: nn.Module, tp:
     it moves everything through ``all_gather_object`` (``shard_entry`` and ``assemble_full``
     do the same through files, for models too large to pickle between ranks).
     """
-    mine = shard_entry(local, model, tp, dp, ep, first_replica_only=False)
+    mine = shard_entry(local, model, tp, dp, ep)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         everyone = [mine]
     else:
@@ -123,13 +123,13 @@ def _first_replica(dp_rank: int, ep_size: int, expert: bool) -> bool:
     return dp_rank < ep_size if expert else dp_rank == 0
 
 
-def shard_entry(local: dict[str, torch.Tensor], model: nn.Module, tp: GroupHandle, dp: GroupHandle, ep: GroupHandle = SINGLE,
-                *, first_replica_only: bool = True) -> dict:
-    """This rank's part of a full state dict, with what ``assemble_full`` needs to place it (fp32 on the host).
-    With ``first_replica_only`` the replicas that ``assemble_full`` would ignore carry no tensors."""
+def shard_entry(local: dict[str, torch.Tensor], model: nn.Module, tp: GroupHandle, dp: GroupHandle,
+                ep: GroupHandle = SINGLE) -> dict:
+    """This rank's part of a full state dict, with what ``assemble_full`` needs to place it (fp32 on the host); a
+    replica that ``assemble_full`` would ignore carries no tensors."""
     shardings = {name: _shardings(p) for name, p in model.named_parameters()}
     tensors = {k: (v.detach().float().cpu().clone(), shardings[k]) for k, v in local.items()
-               if not first_replica_only or _first_replica(dp.rank, ep.size, shardings[k][1] is not None)}
+               if _first_replica(dp.rank, ep.size, shardings[k][1] is not None)}
     return {"tp_rank": tp.rank, "dp_rank": dp.rank, "ep_rank": ep.rank, "ep_size": ep.size, "tensors": tensors}
 
 

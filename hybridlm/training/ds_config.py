@@ -104,9 +104,14 @@ def check_gradient_accumulation_fusion(ds: dict, cfg: RunConfig, offloaded: list
 def _set_gradient_precision(ds: dict, accumulate: str, reduce: str, path: str) -> None:
     """--accumulate-allreduce-grads-in-fp32 (and --grad-reduce-in-bf16): DeepSpeed's accumulation and communication
     dtypes, unless the JSON says otherwise, which is refused."""
+    from deepspeed.runtime.config import DtypeEnum
     for keys, value in ((("data_types", "grad_accum_dtype"), accumulate), (("communication_data_type",), reduce)):
         given = _get(ds, keys)
-        if given not in (None, "auto") and str(given).lower().replace("float32", "fp32").replace("bfloat16", "bf16") != value:
+        try:
+            differs = given not in (None, "auto") and DtypeEnum(given) != DtypeEnum(value)
+        except ValueError:
+            raise ConfigError(f"\"{'.'.join(keys)}\": {given!r} in {path} is not a dtype DeepSpeed knows (fp32, bf16, fp16).") from None
+        if differs:
             raise ConfigError(f"--accumulate-allreduce-grads-in-fp32 asks for \"{'.'.join(keys)}\": \"{value}\" but {path} "
                               f"says {given!r}; set one of them.")
         _set(ds, keys, value)
