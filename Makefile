@@ -13,7 +13,7 @@ STAMP := $(VENV)/.hybridlm-installed
 # and Open MPI (tests/test_mpi.py). Installed where we may (root with apt), else a note.
 TEST_SYSTEM_PACKAGES ?= slurm-wlm munge openmpi-bin libopenmpi-dev
 
-.PHONY: venv train test test-fast clean test-system-packages
+.PHONY: venv train test test-fast test-gpu clean test-system-packages
 
 venv: $(STAMP)
 
@@ -45,6 +45,12 @@ test: venv test-system-packages
 
 test-fast: venv test-system-packages
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not slow"
+
+# The GPU suite on the GPU machine, in shards that each finish within 8 minutes on four GPUs (tests/gpu_shards.py):
+#   make test-gpu SHARD=1/4 RECORD=$$OUT     (its own Python: the GPU machine has torch; DeepSpeed from .device/)
+# RECORD: a folder for the shard's gpu-tests record (python -m benchmarks render --add FOLDER/records.jsonl).
+test-gpu:
+	$(PYTHON) -m pytest -m gpu --durations=25 $(if $(SHARD),--shard $(SHARD)) $(if $(RECORD),--gpu-record $(RECORD))
 
 clean:
 	rm -rf $(VENV) .pytest_cache

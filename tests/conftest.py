@@ -20,6 +20,19 @@ import deepspeed  # noqa: E402,F401
 
 import hybridlm.training.trainer  # noqa: E402,F401
 
+import gpu_shards  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N", help="run the K-th of N shards, packed by measured duration "
+                     "(tests/gpu_shards.py; for the GPU suite: pytest -m gpu --shard 1/4)")
+    parser.addoption("--gpu-record", default=None, metavar="DIR", help="append this run's gpu-tests record to "
+                     "DIR/records.jsonl (file it with python -m benchmarks render --add)")
+
+
+def pytest_configure(config):
+    gpu_shards.configure(config)
+
 
 def pytest_collection_finish(session):
     """Start the DeepSpeed op builds that collected tests name (``@pytest.mark.ops_build(deepspeed="AsyncIOBuilder")``)

@@ -18,7 +18,11 @@ from hybridlm.presets import LLAMA_BLOCK_SETTINGS
 has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 if has_te:
     import transformer_engine.pytorch  # noqa: F401  (before torch initialises cuDNN: see test_attention)
-needs_te = pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")
+
+
+def needs_te(test):
+    """A GPU-suite test (``pytest -m gpu``) that skips without a CUDA GPU and Transformer Engine."""
+    return pytest.mark.gpu(pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")(test))
 
 
 def test_gradient_hooks_do_not_fire_while_paused_and_their_handles_still_work_after():

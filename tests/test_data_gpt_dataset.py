@@ -160,6 +160,7 @@ def test_a_resumed_run_continues_at_consumed_samples(tmp_path):
     assert torch.equal(uninterrupted[0][1][:, :-1], uninterrupted[0][0][:, 1:])  # labels are inputs shifted by one
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_micro_batch_reaches_the_gpu_without_waiting_for_the_queued_work(tmp_path):
     prefix = write_corpus(tmp_path / "c")

@@ -18,7 +18,11 @@ from oracle import TINY, ds_config
 has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 if has_te:
     import transformer_engine.pytorch  # noqa: F401  (before torch initialises cuDNN: see test_attention)
-needs_te = pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")
+
+
+def needs_te(test):
+    """A GPU-suite test (``pytest -m gpu``) that skips without a CUDA GPU and Transformer Engine."""
+    return pytest.mark.gpu(pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")(test))
 
 
 def _phases_seen_by_the_model(flags):

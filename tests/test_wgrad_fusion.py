@@ -29,7 +29,13 @@ from oracle import ROOT, TINY, ds_config
 has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 if has_te:
     import transformer_engine.pytorch  # noqa: F401  (before torch initialises cuDNN: see test_attention)
-needs_te = pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")
+
+
+def needs_te(test):
+    """A GPU-suite test (``pytest -m gpu``) that skips without a CUDA GPU and Transformer Engine."""
+    return pytest.mark.gpu(pytest.mark.skipif(not has_te, reason="needs a CUDA GPU with Transformer Engine installed")(test))
+
+
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="forked gloo ranks cannot use CUDA; the CPU suite checks it")
 
 _PLACEHOLDERS: dict = {}
