@@ -124,8 +124,40 @@ def suite_markdown(suite: str, records: list[dict]) -> list[str]:
     return lines
 
 
+def gpu_tests_markdown(records: list[dict]) -> list[str]:
+    """The newest gpu-tests record of each shard (tests/gpu_shards.py): when the GPU suite last passed, where, at what
+    commit, and why each skipped test skipped."""
+    newest: dict[str, dict] = {}
+    for r in newest_first([r for r in records if r.get("case") == "gpu-tests"]):
+        newest.setdefault(r.get("shard", "all"), r)
+    if not newest:
+        return []
+    lines = ["## GPU tests", "", "`pytest -m gpu` in shards on the GPU machine: `make test-gpu SHARD=K/N RECORD=DIR`, then "
+             "`python -m benchmarks render --add DIR/records.jsonl`. The newest record of each shard (*part*: a run of "
+             "named tests; *finished* no: stopped at its time limit, the counts are how far it came).", "",
+             "| shard | date | device | commit | passed | failed | errors | skipped | finished | wall s | command |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for shard, r in sorted(newest.items()):
+        f = r.get("figures", {})
+        lines.append(f"| {shard} | {r.get('date', '')} | {r.get('device', '')} | {r.get('commit', '')} | {f.get('passed', '')} | "
+                     f"{f.get('failed', '')} | {f.get('error', '')} | {f.get('skipped', '')} | {'yes' if f.get('finished') else 'no'} "
+                     f"| {r.get('wall_s', '')} | `{r.get('command', '')}` |")
+    failures = [(shard, x) for shard, r in sorted(newest.items()) for x in r.get("failures", [])]
+    if failures:
+        lines += ["", "Failures:", ""] + [f"- {shard} `{x['test']}`: {x['error'].splitlines()[0][:300]}" for shard, x in failures]
+    reasons: dict[str, int] = {}
+    for r in newest.values():
+        for skip in r.get("skips", []):
+            reasons[skip["reason"]] = reasons.get(skip["reason"], 0) + 1
+    if reasons:
+        lines += ["", "Skips, by reason:", ""] + [f"- {n} x {reason}" for reason, n in sorted(reasons.items(), key=lambda x: -x[1])]
+    return lines + [""]
+
+
 def results_markdown(records: list[dict]) -> str:
     lines = INTRO.splitlines() + [""]
+    lines += gpu_tests_markdown(records)
+    records = [r for r in records if r.get("case") != "gpu-tests"]
     for suite in list(SUITES) + sorted({r.get("suite") for r in records} - set(SUITES)):
         lines += suite_markdown(suite, records)
         if suite == "scaling" and curve_records(records):

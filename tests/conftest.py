@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -19,6 +21,9 @@ if not torch.cuda.is_available():
 import deepspeed  # noqa: E402,F401
 
 import hybridlm.training.trainer  # noqa: E402,F401
+# deepspeed.initialize imports this module under ZeRO, and its module-level torch.compile imports torch._inductor
+# (~3 s of CPU): once here, not once in every forked rank of every test.
+import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
 
 import gpu_shards  # noqa: E402
 
@@ -32,6 +37,15 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     gpu_shards.configure(config)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_in_the_test_process():
+    """Ranks are forked from this process: a process group left here by one test would be inherited by every later
+    test's ranks (an order dependence). The test that leaves one fails, by name."""
+    yield
+    import torch.distributed as dist
+    assert not (dist.is_available() and dist.is_initialized()), "this test left a torch.distributed process group in the test process"
 
 
 def pytest_collection_finish(session):

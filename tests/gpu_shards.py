@@ -84,6 +84,13 @@ def device_name() -> str:
     return f"{len(names)}x {device_label(names[0])}"
 
 
+def _whole_suite(argv: list[str]) -> bool:
+    """No file, node or -k named: the run is the whole GPU suite (else its record says "part")."""
+    valued = {"-m", "-k", "-p", "-c", "--deselect", "--durations", "-n", "--maxfail"}
+    return not any(a == "-k" or a.startswith("--deselect") or (not a.startswith("-") and (i == 0 or argv[i - 1] not in valued))
+                   for i, a in enumerate(argv))
+
+
 def _skip_reason(report) -> str:
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
@@ -107,7 +114,8 @@ class ShardPlugin:
             now = datetime.datetime.now()
             self.record = {"call": f"{now.strftime('%Y-%m-%dT%H%M%S')}-{socket.gethostname().split('.')[0]}",
                            "suite": "tests", "case": "gpu-tests", "system": "hybridlm",
-                           "shard": f"{shard[0]}/{shard[1]}" if shard else "1/1", "device": device_name(),
+                           "shard": f"{shard[0]}/{shard[1]}" if shard else "all" if _whole_suite(argv) else "part",
+                           "device": device_name(),
                            "commit": current_commit(), "command": " ".join(["pytest", *argv]),
                            "date": now.date().isoformat(), "time": now.isoformat(timespec="seconds")}
 
@@ -129,7 +137,8 @@ class ShardPlugin:
             self.skips[node] = _skip_reason(report)
         elif report.failed:
             self.outcomes[node] = "failed" if report.when == "call" else "error"
-            self.failures[node] = f"{report.when}: {report.longreprtext.strip().splitlines()[-1] if report.longreprtext.strip() else ''}"
+            crash = getattr(report.longrepr, "reprcrash", None)
+            self.failures[node] = f"{report.when}: {crash.message if crash else report.longreprtext.strip()[-1500:]}"[:1500]
         elif report.when == "call" and node not in self.outcomes:
             self.outcomes[node] = "xfailed" if hasattr(report, "wasxfail") else "passed"
         if report.when == "teardown":

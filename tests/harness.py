@@ -24,14 +24,69 @@ from typing import Any, Callable
 
 
 def free_port() -> int:
+    """A port free a moment ago, for a program that binds it itself (a daemon, a script's fixed torchrun line): the
+    port can be taken before the program binds it, so such callers retry on EADDRINUSE (``retry_on_port_clash``).
+    Ranks started here rendezvous on a store this process already holds instead (``rendezvous_store``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rendezvous_store():
+    """A c10d TCPStore served by this process on a port the kernel gave it: ranks join it as clients
+    (TORCHELASTIC_USE_AGENT_STORE, as torchrun's own workers do), so no rank binds a port that another
+    process may have taken since it was seen free. Keep the object alive while the ranks run."""
+    from torch.distributed import TCPStore
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def store_env(store) -> dict:
+    """The environment that points torch.distributed's env:// rendezvous at ``store``."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def retry_on_port_clash(launch: Callable[[], subprocess.CompletedProcess], attempts: int = 3) -> subprocess.CompletedProcess:
+    """``launch()`` again (it picks a new ``free_port()``) while its output says the port was taken meanwhile."""
+    for _ in range(attempts):
+        result = launch()
+        if result.returncode == 0 or not any(s in (result.stdout or "") + (result.stderr or "")
+                                             for s in ("EADDRINUSE", "Address already in use")):
+            return result
+    return result
+
+
+def run_command(argv: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a command that may start processes of its own (a launcher and its ranks, a worker pool):
+    it runs in a session of its own, and every process of that session is killed when it returns or times out, so
+    no rank of this test outlives it to load the next test's machine or hold its ports."""
+    kwargs.setdefault("capture_output", True)
+    kwargs.setdefault("text", True)
+    check = kwargs.pop("check", False)
+    with subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE if kwargs.pop("capture_output") else None,
+                          stderr=subprocess.PIPE if "stderr" not in kwargs else kwargs.pop("stderr"), **kwargs) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_session(proc.pid)
+            stdout, stderr = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr) from None
+        finally:
+            _kill_session(proc.pid)
+    result = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    if check:
+        result.check_returncode()
+    return result
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _child(rank: int, world: int, env: dict, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **env)
     import torch
     torch.set_num_threads(1)
     try:
@@ -50,10 +105,11 @@ def _child(rank: int, world: int, port: int, fn: Callable, args: tuple, results)
 def _start(world: int, fn: Callable, args: tuple, start_method: str = "fork"):
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
+    store = rendezvous_store()
+    procs = [ctx.Process(target=_child, args=(r, world, store_env(store), fn, args, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+        p.rendezvous = store  # the store lives as long as the ranks are referenced
     return procs, results
 
 
@@ -105,8 +161,8 @@ def launch_deepspeed(args: list[str], timeout: float = 240) -> subprocess.Comple
     """What a user types: the ``deepspeed`` launcher (CPU, gloo) with ``args``, from the repository root."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bin_dir = os.path.dirname(sys.executable)
+    store = rendezvous_store()  # not the launcher's default 29500, which another job may hold; see rendezvous_store
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    # A free rendezvous port of our own: the launcher's default 29500 may be held by another job.
-    return subprocess.run([os.path.join(bin_dir, "deepspeed"), "--master_port", str(free_port()), *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **store_env(store)}
+    return run_command([os.path.join(bin_dir, "deepspeed"), "--master_port", str(store.port), *args], cwd=root, env=env,
+                       timeout=timeout)

@@ -42,10 +42,17 @@ def unavailable() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free a moment ago: each socket stays bound until all are chosen (one port taken twice
+    would start two daemons on it)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def _memory_mib() -> int:
@@ -125,9 +132,6 @@ class LocalSlurm:
         os.chmod(self.root, 0o755)  # munged wants its socket's folder searchable by all
         with open(os.path.join(self.root, "plugstack.conf"), "w"):
             pass  # no SPANK plugins: the system's plugstack.conf.d must not leak in
-        with open(self.conf, "w") as f:
-            f.write(SLURM_CONF.format(host=NODE, root=self.root, ctld_port=_free_port(), slurmd_port=_free_port(),
-                                      node=NODE, cpus=self.cpus, memory=self.memory_mib, partition=self.partition))
         key = os.path.join(self.root, "munge.key")
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
@@ -137,9 +141,20 @@ class LocalSlurm:
                         f"--pid-file={self.root}/munged.pid", f"--log-file={self.root}/munged.log",
                         f"--seed-file={self.root}/munged.seed")
             self._wait_for(lambda: os.path.exists(f"{self.root}/munge.socket"), timeout, "munged's socket")
-            self._spawn("slurmctld", "-D", "-i", "-f", self.conf)
-            self._spawn("slurmd", "-D", "-f", self.conf)
-            self._wait_for(self._node_idle, timeout, f"node {NODE} to be idle in sinfo")
+            for attempt in range(3):  # the daemons bind ports seen free a moment ago: another process may take one first
+                ctld_port, slurmd_port = _free_ports(2)
+                with open(self.conf, "w") as f:
+                    f.write(SLURM_CONF.format(host=NODE, root=self.root, ctld_port=ctld_port, slurmd_port=slurmd_port,
+                                              node=NODE, cpus=self.cpus, memory=self.memory_mib, partition=self.partition))
+                self._spawn("slurmctld", "-D", "-i", "-f", self.conf)
+                self._spawn("slurmd", "-D", "-f", self.conf)
+                try:
+                    self._wait_for(self._node_idle, timeout, f"node {NODE} to be idle in sinfo")
+                    break
+                except RuntimeError:  # a daemon exited at start-up
+                    if attempt == 2 or "already in use" not in self.logs():
+                        raise
+                    self._stop_daemons(("slurmd", "slurmctld"))
         except BaseException:
             self.stop()
             raise
@@ -181,6 +196,14 @@ class LocalSlurm:
         self._procs.clear()
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _stop_daemons(self, names: tuple[str, ...]) -> None:
+        """Stop the named daemons that still run and forget them (a retry starts them afresh)."""
+        for proc in [p for p in self._procs if os.path.basename(p.args[0]) in names]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            self._procs.remove(proc)
 
     def logs(self) -> str:
         """The tail of each daemon's log, for a failing test's message."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tarfile
 
@@ -15,6 +14,7 @@ from benchmarks import megatron, records, render, runner
 from benchmarks.cases import BY_NAME, CASES, ONE_GPU_PEERS, PEERS, SUITES, Case
 from hybridlm.config import parse_args
 from hybridlm.training.metrics import flops_per_token
+from harness import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ def test_the_cpu_case_runs_through_the_runner_into_a_record_and_a_table_row(tmp_
     """Two steps of the built-in tiny model through `python -m benchmarks run`: the launcher, scripts/benchmark.py,
     the record it writes and the suite's table rendered from it."""
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "benchmarks", "run", "--cases", "cpu-tiny", "--out", str(out)], cwd=ROOT,
+    result = run_command([sys.executable, "-m", "benchmarks", "run", "--cases", "cpu-tiny", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=240, env=dict(os.environ, DS_ACCELERATOR="cpu"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1].startswith("cpu-tiny ")  # the table comes last

@@ -6,7 +6,6 @@ import os
 import random
 import resource
 import signal
-import time
 
 import pytest
 
@@ -116,7 +115,5 @@ def test_sigkill_at_random_points_always_resumes_from_the_last_complete_checkpoi
         latest = (directory / "latest").read_text() if (directory / "latest").exists() else None
         resumed_from = int(latest.removeprefix("global_step")) if latest else 0
         assert resumed_from >= logged - interval, f"trial {trial}: lost more than one save interval"
-        started = time.monotonic()
-        rest = run_ranks(1, _losses, flags)[0]
+        rest = run_ranks(1, _losses, flags, timeout=120)[0]  # a resume that waits on a dead run's lock fails here
         assert rest == whole[resumed_from:], f"trial {trial}: resume from step {resumed_from} diverged"
-        assert time.monotonic() - started < 120

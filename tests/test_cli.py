@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -70,7 +69,8 @@ def _assert_flops_count_every_token_once(path, world: int) -> None:
 
 
 def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_and_no_traceback():
-    started = time.monotonic()
+    # Fast means before any process group or model exists (the sentence comes from validation, and no rank logs
+    # its layout); a rank that hung instead would meet the launch's timeout.
     result = _launch(["--num_gpus", "2", "scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero2.json",
                       "--pipeline-model-parallel-size", "2"], timeout=120)
     assert result.returncode != 0
@@ -79,7 +79,7 @@ def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_and_no_trace
     # other rank as soon as the first exits, so the second sentence may or may not make it out.
     assert 1 <= result.stderr.count(sentence) <= 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    assert time.monotonic() - started < 60
+    assert "hybridlm: ParallelState" not in result.stdout + result.stderr, "a rank built its process groups first"
 
 
 def test_default_run_trains_the_builtin_model_and_loss_falls(tmp_path):

@@ -5,8 +5,8 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
+from harness import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ def _write(path, losses, start=1):
 
 
 def _run(*args):
-    result = subprocess.run([sys.executable, "scripts/compare_runs.py", *map(str, args)], cwd=ROOT,
+    result = run_command([sys.executable, "scripts/compare_runs.py", *map(str, args)], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     return result.returncode, result.stdout, result.stderr
 

@@ -2,7 +2,6 @@
 import gzip
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ from hybridlm.data.builtin import builtin_documents
 from hybridlm.data.indexed import IndexedDataset
 from hybridlm.data.preprocess import BadInputError, preprocess
 from hybridlm.data.tokenizers import TokenizerSpec, build_tokenizer, save_tokenizer, train_byte_level_bpe
+from harness import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = builtin_documents()[:30] + ["é", "a \u00e9 \U0001F600 emoji", "x" * 5000, "line\nbreaks\r\nand\ttabs"]
@@ -162,9 +162,9 @@ def test_script_prints_a_summary_and_exits_nonzero_with_the_sentence_on_bad_inpu
     src.write_text('{"text": "hello"}\n{"text": 1}\n')
     script = [sys.executable, os.path.join(ROOT, "scripts", "preprocess_data.py"), "--input", str(src),
               "--output-prefix", str(tmp_path / "o"), "--append-eod"]
-    failed = subprocess.run(script, capture_output=True, text=True)
+    failed = run_command(script, capture_output=True, text=True)
     assert failed.returncode == 1 and f"error: {src}:2: 'text' is a JSON int, not a string." in failed.stderr
-    ok = subprocess.run(script + ["--skip-bad-lines", "--workers", "2"], capture_output=True, text=True)
+    ok = run_command(script + ["--skip-bad-lines", "--workers", "2"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "1 documents, 6 tokens, 1 bad line(s) skipped" in ok.stdout and f"--data-path {tmp_path / 'o'}_text_document" in ok.stdout
     assert f"skipped {src}:2:" in ok.stderr and "docs/s" in ok.stderr and "MB/s" in ok.stderr

@@ -1,7 +1,6 @@
 """Tokenizers: the three kinds behind one interface, trained and loaded offline, bad flags in one sentence."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -9,6 +8,7 @@ import pytest
 from hybridlm.config import ConfigError
 from hybridlm.data.builtin import builtin_documents
 from hybridlm.data.tokenizers import ByteTokenizer, build_tokenizer, save_tokenizer, train_byte_level_bpe
+from harness import run_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "def f(x):\n    return x ** 2  # naïve, ünïcödé, 東京\n"
@@ -97,7 +97,7 @@ def test_unreadable_or_incomplete_tokenizer_files_are_named(tmp_path):
 def test_train_tokenizer_script_writes_a_loadable_tokenizer(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in builtin_documents()[:10]))
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "train_tokenizer.py"), "--input", str(corpus),
+    done = run_command([sys.executable, os.path.join(ROOT, "scripts", "train_tokenizer.py"), "--input", str(corpus),
                            "--vocab-size", "300", "--output", str(tmp_path / "tok")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--tokenizer-model" in done.stdout

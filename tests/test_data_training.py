@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
-from harness import run_ranks
+from harness import run_command, run_ranks
 from oracle import ROOT, ds_config
 from hybridlm.presets import LLAMA_BLOCK, LLAMA_OPTIMIZER
 
@@ -16,7 +15,7 @@ def _losses(flags):
 
 
 def _script(name: str, *args: str) -> str:
-    result = subprocess.run([sys.executable, f"scripts/{name}.py", *args], cwd=ROOT, capture_output=True, text=True,
+    result = run_command([sys.executable, f"scripts/{name}.py", *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout + result.stderr

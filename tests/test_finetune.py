@@ -300,12 +300,14 @@ def _launch_finetune(flags: list[str], metrics) -> list[float]:
     import subprocess
     import sys
 
-    from harness import free_port
+    from harness import rendezvous_store, store_env
     from oracle import ROOT
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "1"]
+    store = rendezvous_store()
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(store.port), "--num_gpus", "1"]
     result = subprocess.run([*launcher, "scripts/finetune.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
+                            env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+                                 **store_env(store)})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     with open(metrics) as f:
         return [r["loss"] for r in map(json.loads, f)]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from harness import free_port, run_ranks
+from harness import run_command, run_ranks
 from oracle import ROOT
 
 PROMPT = [5, 77, 140, 3, 299, 18, 64]
@@ -80,10 +79,10 @@ def test_greedy_generation_under_tp2_equals_transformers_generate_on_the_export(
     assert len(set(theirs)) > 3, "a degenerate continuation would not test much"
     output = tmp_path / "generated.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                os.path.join(ROOT, "scripts", "generate.py"), "--checkpoint", checkpoint, "--prompt-ids", " ".join(map(str, PROMPT)),
                "--max-new-tokens", "24", "--ignore-eos", "--output-json", str(output)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = run_command(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(output.read_text())[0]["generated_ids"] == theirs
 

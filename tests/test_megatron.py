@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import run_ranks
+from harness import run_command, run_ranks
 from hybridlm.config import ConfigError, build_parser, megatron, parse_args
 from hybridlm.presets import LLAMA_BLOCK
 from megatron_files import corpus_jsonl, gpt2_vocab_and_merges, sentencepiece_model
@@ -265,7 +265,7 @@ def test_llama2_tokenizer_ids_are_sentencepieces_plus_megatrons_end_of_document(
     assert (tok.vocab_size, tok.eod) == (sp.get_piece_size(), sp.eos_id())
     corpus = corpus_jsonl(str(tmp_path / "c.jsonl"), documents=3)
     prefix = str(tmp_path / "sp")
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus, "--output-prefix",
+    run_command([sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus, "--output-prefix",
                     prefix, "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", sp_model, "--append-eod",
                     "--workers", "1", "--no-progress"], check=True, capture_output=True)
     import json
@@ -282,7 +282,7 @@ def test_file_flags_the_tokenizer_would_not_read_are_refused():
 def test_gpt2_bpe_files_train_through_the_megatron_flags(tmp_path):
     vocab, merges = gpt2_vocab_and_merges(str(tmp_path))
     corpus = corpus_jsonl(str(tmp_path / "c.jsonl"), documents=10)
-    subprocess.run([sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus, "--output-prefix",
+    run_command([sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus, "--output-prefix",
                     str(tmp_path / "gpt"), "--vocab-file", vocab, "--tokenizer-type", "GPT2BPETokenizer", "--merge-file",
                     merges, "--append-eod", "--workers", "1", "--no-progress"], check=True, capture_output=True)
     from hybridlm.training.trainer import prepare_config
@@ -319,7 +319,7 @@ def test_split_tolerates_a_launch_scripts_literal_quotes():
 
 def _preprocess(tmp_path, *extra) -> subprocess.CompletedProcess:
     corpus = corpus_jsonl(str(tmp_path / "c.jsonl"), documents=4)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus,
+    return run_command([sys.executable, os.path.join(ROOT, "scripts/preprocess_data.py"), "--input", corpus,
                            "--output-prefix", str(tmp_path / "out"), "--workers", "2", "--no-progress", *extra],
                           capture_output=True, text=True)
 

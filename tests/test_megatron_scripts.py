@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 import yaml
 
-from harness import free_port
+from harness import free_port, retry_on_port_clash, run_command
 from megatron_files import corpus_jsonl, gpt2_vocab_and_merges, sentencepiece_model
 from oracle import ROOT
 
@@ -25,9 +24,10 @@ SCRIPTS = os.path.join(ROOT, "tests", "megatron_scripts")
 def _run(command: list[str], cwd, env: dict, timeout: float = 300, on_gpu: bool = False) -> str:
     bin_dir = os.path.dirname(sys.executable)
     device = {} if on_gpu else {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **device,
-           "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(free_port()), **env}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    base = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **device, "PYTHONUNBUFFERED": "1", **env}
+    # the scripts pass --master_port $MASTER_PORT to torchrun as Megatron's do: a port seen free, retried if taken
+    result = retry_on_port_clash(lambda: run_command(command, cwd=cwd, env={**base, "MASTER_PORT": str(free_port())},
+                                                        capture_output=True, text=True, timeout=timeout))
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result.stdout + result.stderr
 

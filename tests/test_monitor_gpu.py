@@ -9,16 +9,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from harness import free_port
 from oracle import ROOT, TINY
 
 from hybridlm.presets import LLAMA_BLOCK
+from harness import run_command
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
@@ -33,12 +32,10 @@ def _sampled(tmp_path, flags: list[str]) -> list[dict]:
     """Train on 2 GPUs with ``flags`` (tests/monitor_runs.py); each rank's samples and rank 0's records."""
     out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
     out.mkdir()
-    for _ in range(3):  # a port free_port() saw free can be taken before the launcher binds it
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                                 str(free_port()), "tests/monitor_runs.py", "--out", str(out), "--", *flags],
-                                cwd=ROOT, capture_output=True, text=True, timeout=600)
-        if result.returncode == 0 or "EADDRINUSE" not in result.stdout + result.stderr:
-            break
+    # --standalone: torchrun binds a port the kernel picks for its rendezvous (no port seen free and then taken)
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "tests/monitor_runs.py", "--out", str(out), "--", *flags],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [json.load(open(out / f"rank{r}.json")) for r in range(2)]
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from harness import run_ranks
+from harness import run_command, run_ranks
 from oracle import ROOT, TINY, ds_config
 
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (apt-get install openmpi-bin libopenmpi-dev)")
@@ -25,7 +25,7 @@ def _mpirun(ranks: int, args: list[str], timeout: float = 240) -> subprocess.Com
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)  # only MPI may say who is who
-    return subprocess.run(["mpirun", "-np", str(ranks), "--oversubscribe", sys.executable, *args], cwd=ROOT, env=env,
+    return run_command(["mpirun", "-np", str(ranks), "--oversubscribe", sys.executable, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -9,13 +9,12 @@ expert-data-parallel replicas of the experts; on two GPUs through NCCL.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from harness import free_port, run_ranks
+from harness import run_command, run_ranks
 from oracle import ROOT, TINY, ds_config
 
 INTERVAL = ["--check-weight-hash-across-dp-replicas-interval", "2", "--train-iters", "6", "--log-interval", "1"]
@@ -98,8 +97,8 @@ def test_the_interval_must_be_positive():
 def test_on_two_gpus_a_nudged_replica_stops_every_rank_with_one_sentence(tmp_path):
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, *INTERVAL, "--bf16", "--save", str(tmp_path / "ckpt"),
              "--save-interval", "2"]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                             str(free_port()), "tests/replica_runs.py", "--nudge-at", "4", "--nudge-rank", "1", "--", *flags],
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "tests/replica_runs.py", "--nudge-at", "4", "--nudge-rank", "1", "--", *flags],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, "the run went on with diverged replicas"
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: iteration 4: replicas")]

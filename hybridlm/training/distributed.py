@@ -44,8 +44,10 @@ def init_distributed(timeout_minutes: float) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if not on_gpu():
         # On CPU DeepSpeed compiles a shared-memory all-reduce (~1 min) at start-up that only
-        # its inference path calls; training collectives go through gloo. Skip the build.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # its inference path calls; training collectives go through gloo. Skip the build. Reading
+        # deepspeed.ops.__compatible_ops__ would first probe every op (a C compile for async_io, ~1 s a
+        # process); the shm check is its only reader in a training process and defaults to False.
+        vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo",
                                timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
