@@ -24,25 +24,12 @@ from typing import Any, Callable
 
 
 def free_port() -> int:
-    """A port free a moment ago, for a program that binds it itself (a daemon, a script's fixed torchrun line): the
-    port can be taken before the program binds it, so such callers retry on EADDRINUSE (``retry_on_port_clash``).
-    Ranks started here rendezvous on a store this process already holds instead (``rendezvous_store``)."""
+    """A port free a moment ago, for a program that binds it itself (a launcher's rank 0, a daemon): the port can be
+    taken before the program binds it, so such callers retry on EADDRINUSE (``retry_on_port_clash``). Forked ranks
+    need neither: their rank 0 binds a port the kernel picks and tells the others (``_child``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rendezvous_store():
-    """A c10d TCPStore served by this process on a port the kernel gave it: ranks join it as clients
-    (TORCHELASTIC_USE_AGENT_STORE, as torchrun's own workers do), so no rank binds a port that another
-    process may have taken since it was seen free. Keep the object alive while the ranks run."""
-    from torch.distributed import TCPStore
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
-def store_env(store) -> dict:
-    """The environment that points torch.distributed's env:// rendezvous at ``store``."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def retry_on_port_clash(launch: Callable[[], subprocess.CompletedProcess], attempts: int = 3) -> subprocess.CompletedProcess:
@@ -85,11 +72,30 @@ def _kill_session(pid: int) -> None:
         pass
 
 
-def _child(rank: int, world: int, env: dict, fn: Callable, args: tuple, results) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **env)
+def _rendezvous(rank: int, world: int, port, deadline: float):
+    """Rank 0 serves the c10d store on a port the kernel picks (no port seen free and then taken by another process)
+    and shares the number; every rank then joins that store as a client (TORCHELASTIC_USE_AGENT_STORE, as torchrun's
+    workers do). The server lives in rank 0, never in the test process: a store thread there would be inherited
+    mid-lock by the next test's forked ranks."""
+    store = None
+    if rank == 0:
+        from torch.distributed import TCPStore
+        store = TCPStore("127.0.0.1", 0, world_size=world, is_master=True, wait_for_workers=False)
+        port.value = store.port
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never served the rendezvous store")
+        time.sleep(0.01)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port.value), TORCHELASTIC_USE_AGENT_STORE="True")
+    return store
+
+
+def _child(rank: int, world: int, port, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     import torch
     torch.set_num_threads(1)
     try:
+        store = _rendezvous(rank, world, port, time.monotonic() + 120)  # noqa: F841 (rank 0 serves while fn runs)
         payload = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         payload = ("error", traceback.format_exc())
@@ -105,11 +111,11 @@ def _child(rank: int, world: int, env: dict, fn: Callable, args: tuple, results)
 def _start(world: int, fn: Callable, args: tuple, start_method: str = "fork"):
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
-    store = rendezvous_store()
-    procs = [ctx.Process(target=_child, args=(r, world, store_env(store), fn, args, results), daemon=True) for r in range(world)]
+    port = ctx.Value("i", 0)
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, args, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-        p.rendezvous = store  # the store lives as long as the ranks are referenced
+        p.rendezvous_port = port  # alive until the ranks are done: a spawned rank unpickles it after its start
     return procs, results
 
 
@@ -161,8 +167,8 @@ def launch_deepspeed(args: list[str], timeout: float = 240) -> subprocess.Comple
     """What a user types: the ``deepspeed`` launcher (CPU, gloo) with ``args``, from the repository root."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     bin_dir = os.path.dirname(sys.executable)
-    store = rendezvous_store()  # not the launcher's default 29500, which another job may hold; see rendezvous_store
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1",
-           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", **store_env(store)}
-    return run_command([os.path.join(bin_dir, "deepspeed"), "--master_port", str(store.port), *args], cwd=root, env=env,
-                       timeout=timeout)
+           "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    # a port of our own (the launcher's default 29500 may be held by another job), again if taken before rank 0 binds it
+    return retry_on_port_clash(lambda: run_command([os.path.join(bin_dir, "deepspeed"), "--master_port", str(free_port()), *args],
+                                                   cwd=root, env=env, timeout=timeout))

@@ -297,17 +297,14 @@ def test_a_resumed_dpo_run_keeps_its_reference(preference, tmp_path):
 def _launch_finetune(flags: list[str], metrics) -> list[float]:
     """scripts/finetune.py on one GPU through DeepSpeed's launcher; the logged losses."""
     import json
-    import subprocess
     import sys
 
-    from harness import rendezvous_store, store_env
+    from harness import free_port, retry_on_port_clash, run_command
     from oracle import ROOT
-    store = rendezvous_store()
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(store.port), "--num_gpus", "1"]
-    result = subprocess.run([*launcher, "scripts/finetune.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-                                 **store_env(store)})
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    result = retry_on_port_clash(lambda: run_command(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "1",
+         "scripts/finetune.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT, timeout=600, env=env))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     with open(metrics) as f:
         return [r["loss"] for r in map(json.loads, f)]

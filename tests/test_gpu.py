@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from harness import rendezvous_store, run_command, store_env
+from harness import free_port, retry_on_port_clash, run_command
 from oracle import ROOT, TINY
 
 pytestmark = pytest.mark.gpu
@@ -21,11 +21,10 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 def _launch(gpus: int, flags: list[str], metrics, log_says: str | None = None) -> list[float]:
     bin_dir = os.path.dirname(sys.executable)
-    store = rendezvous_store()  # the ranks join a store this process holds: no port seen free and then taken
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(store.port)]
-    result = run_command([*launcher, "--num_gpus", str(gpus), "scripts/pretrain.py", *flags, "--metrics-file", str(metrics)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), **store_env(store)})
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    result = retry_on_port_clash(lambda: run_command(
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", str(gpus),
+         "scripts/pretrain.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT, timeout=600, env=env))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert log_says is None or log_says in result.stdout, f"the log does not say {log_says!r}"
     with open(metrics) as f:
