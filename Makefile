@@ -41,7 +41,7 @@ test-system-packages:
 	fi
 
 test: venv test-system-packages
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest --durations=25
 
 test-fast: venv test-system-packages
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not slow"
@@ -50,7 +50,7 @@ test-fast: venv test-system-packages
 #   make test-gpu SHARD=1/4 RECORD=$$OUT     (its own Python: the GPU machine has torch; DeepSpeed from .device/)
 # RECORD: a folder for the shard's gpu-tests record (python -m benchmarks render --add FOLDER/records.jsonl).
 test-gpu:
-	$(PYTHON) -m pytest -m gpu --durations=25 $(if $(SHARD),--shard $(SHARD)) $(if $(RECORD),--gpu-record $(RECORD))
+	$(PYTHON) -m pytest -m gpu --durations=25 $(if $(SHARD),--shard=$(SHARD)) $(if $(RECORD),--gpu-record=$(RECORD))
 
 clean:
 	rm -rf $(VENV) .pytest_cache
