@@ -24,8 +24,9 @@ def keep_samples(samples: list) -> None:
 
     def take_and_keep(self):
         session = self.pending[0]
+        # the collective kernels alone: a GPU-side user annotation ("nccl:all_reduce") spans its kernel again
         own_us = sum(e.time_range.elapsed_us() for e in session.events()
-                     if e.device_type.name == "CUDA" and "nccl" in e.name.lower())
+                     if e.device_type.name == "CUDA" and "nccl" in e.name.lower() and not getattr(e, "is_user_annotation", False))
         step, iteration, spent = take(self)
         samples.append({"iteration": iteration, "profiler_nccl_ms": own_us / 1e3,
                         **(dataclasses.asdict(step) if step is not None else {})})
