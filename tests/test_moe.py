@@ -358,6 +358,6 @@ def test_mixtral_8x7b_preset_counts_its_active_parameters():
                  "--torch-compile cannot be combined with --expert-model-parallel-size 2", id="compile_with_ep"),
 ])
 def test_bad_moe_input_is_one_sentence_and_exit_2_on_every_rank(world, flags, sentence):
-    for rank, (code, stderr, _) in enumerate(run_ranks(world, _main_on_rank, TINY + ds_config("zero1") + flags, timeout=60)):
+    for rank, (code, stderr) in enumerate(run_ranks(world, _main_on_rank, TINY + ds_config("zero1") + flags, timeout=60)):
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and sentence in lines[0], f"rank {rank}: {stderr!r}"
