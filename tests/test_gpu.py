@@ -33,6 +33,18 @@ def _launch(gpus: int, flags: list[str], metrics, log_says: str | None = None) -
     return [r["loss"] for r in records]
 
 
+_REFERENCES: dict = {}
+
+
+def _reference(gpus: int, flags: list[str], tmp_path) -> list[float]:
+    """``_launch``'s losses, once per (GPUs, flags) in this module: several tests compare with the same seeded run,
+    and each launch costs half a minute of the GPU machine's start-up."""
+    key = (gpus, tuple(flags))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _launch(gpus, flags, tmp_path / "reference.jsonl")
+    return _REFERENCES[key]
+
+
 @two_gpus
 @pytest.mark.parametrize("precision, tol", [(["--bf16"], 2e-2), ([], 1e-4)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -42,7 +54,7 @@ def test_two_gpus_track_one_gpu(tmp_path, layout, precision, tol):
     # moves step 8 by 5% (seen with PP=2); the fp32 case checks the math at 1e-4.
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, *precision, "--lr", "1e-3", "--train-iters", "8",
              "--log-interval", "1"]
-    one = _launch(1, flags, tmp_path / "one.jsonl")
+    one = _reference(1, flags, tmp_path)
     two = _launch(2, flags + layout, tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= tol * abs(a), f"step {step}: 2-GPU loss {b} vs 1-GPU {a}"
@@ -76,7 +88,7 @@ def test_transformer_engine_linears_track_the_local_ones_in_bf16(tmp_path, compi
     # Compiled: the layer's graphs break around TE's GEMMs and FP8 autocast stays outside them.
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
              "--log-interval", "1"]
-    local = _launch(1, flags, tmp_path / "local.jsonl")
+    local = _reference(1, flags, tmp_path)
     te = _launch(1, flags + ["--transformer-impl", "transformer_engine"] + compiled, tmp_path / "te.jsonl")
     for step, (a, b) in enumerate(zip(local, te), start=1):
         assert abs(a - b) <= 2e-2 * abs(a), f"step {step}: TE loss {b} vs local {a}"
@@ -93,7 +105,7 @@ def test_transformer_engine_linears_under_tp2_track_one_gpu(tmp_path, variant):
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "1e-3", "--train-iters", "8",
              "--log-interval", "1", "--transformer-impl", "transformer_engine"]
     fusion = [f for f in variant if f == "--gradient-accumulation-fusion"]
-    one = _launch(1, flags + fusion, tmp_path / "one.jsonl")
+    one = _reference(1, flags + fusion, tmp_path)
     two = _launch(2, flags + ["--tensor-model-parallel-size", "2", *variant], tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 2e-2 * abs(a), f"step {step}: TP=2 TE loss {b} vs 1 GPU {a}"
@@ -108,7 +120,7 @@ def test_fp8_training_learns_and_stays_near_bf16(tmp_path, fmt, recipe, compiled
     # rounding must not change where the loss goes by more than a few percent.
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--bf16", "--lr", "3e-3", "--train-iters", "30",
              "--log-interval", "1", "--transformer-impl", "transformer_engine"]
-    bf16 = _launch(1, flags, tmp_path / "bf16.jsonl")
+    bf16 = _reference(1, flags, tmp_path)
     history = ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"]  # the recipe this test was written for
     fp8 = _launch(1, flags + ["--fp8-format", fmt, "--fp8-recipe", recipe] + history + compiled, tmp_path / "fp8.jsonl")
     assert fp8[-1] < 0.8 * fp8[0], f"FP8 loss did not fall: {fp8[0]} -> {fp8[-1]}"
@@ -124,7 +136,7 @@ def test_torch_compile_on_two_gpus_tracks_one_gpu(tmp_path, layout):
     # TP collectives, NCCL gave wrong gradients (step 2 off by 2.5% at TINY) where gloo did not.
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, "--lr", "1e-3", "--train-iters", "6",
              "--log-interval", "1", "--torch-compile"]
-    one = _launch(1, flags, tmp_path / "one.jsonl")
+    one = _reference(1, flags, tmp_path)
     two = _launch(2, flags + layout, tmp_path / "two.jsonl")
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: compiled 2-GPU loss {b} vs compiled 1-GPU {a}"
