@@ -58,17 +58,28 @@ def device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def device_of(case: Case) -> str:
-    """"1x H200": the GPU's name read through nvidia-smi, so the runner holds no CUDA context beside its runs."""
-    if case.gpus == 0:
+def gpu_names() -> list[str]:
+    """Each GPU's name through nvidia-smi (empty without one), so the caller holds no CUDA context beside its runs."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def device_label_of(gpus: int) -> str:
+    """"4x H200" for ``gpus`` of this machine's GPUs; "CPU (N cores)" for none."""
+    if gpus == 0:
         return f"CPU ({os.cpu_count()} cores)"
     from hybridlm.training.benchmark import device_label
-    try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
-                              check=True).stdout.splitlines()[0].strip()
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        name = "GPU"
-    return f"{case.gpus}x {device_label(name)}"
+    names = gpu_names()
+    return f"{gpus}x {device_label(names[0]) if names else 'GPU'}"
+
+
+def device_of(case: Case) -> str:
+    """"1x H200": the case's GPU count and this machine's GPU name."""
+    return device_label_of(case.gpus)
 
 
 def missing(case: Case, gpus: int) -> Optional[str]:

@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from typing import Optional
@@ -53,7 +52,7 @@ def assign(node_ids: list[str], n: int, durations: dict[str, float]) -> list[lis
     """The node ids cut into ``n`` shards of about equal expected time (see the module's docstring)."""
     weight = {node: durations.get(node, UNMEASURED_S) for node in node_ids}
     by_file: dict[str, list[str]] = {}
-    for node in node_ids:
+    for node in sorted(node_ids):  # the cut depends on the ids, not on the order a machine collected them in
         by_file.setdefault(node.split("::")[0], []).append(node)
     fair = sum(weight.values()) / n
     groups = []
@@ -70,22 +69,8 @@ def assign(node_ids: list[str], n: int, durations: dict[str, float]) -> list[lis
     return shards
 
 
-def device_name() -> str:
-    """"4x H100": the GPUs' count and name through nvidia-smi (no CUDA context in the test process's name-taking)."""
-    try:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
-                               check=True, timeout=30).stdout.split("\n")
-        names = [n.strip() for n in names if n.strip()]
-    except (OSError, subprocess.SubprocessError):
-        names = []
-    if not names:
-        return f"CPU ({os.cpu_count()} cores)"
-    from hybridlm.training.benchmark import device_label
-    return f"{len(names)}x {device_label(names[0])}"
-
-
 def _whole_suite(argv: list[str]) -> bool:
-    """No file, node or -k named: the run is the whole GPU suite (else its record says "part")."""
+    """No file, node or -k named: the run is the whole GPU suite or a whole shard of it (else its record says "part")."""
     valued = {"-m", "-k", "-p", "-c", "--deselect", "--durations", "-n", "--maxfail"}
     return not any(a == "-k" or a.startswith("--deselect") or (not a.startswith("-") and (i == 0 or argv[i - 1] not in valued))
                    for i, a in enumerate(argv))
@@ -110,12 +95,12 @@ class ShardPlugin:
         self.durations: dict[str, float] = {}
         self.record: dict = {}
         if record_dir:
-            from benchmarks.runner import current_commit
+            from benchmarks.runner import current_commit, device_label_of, gpu_names
             now = datetime.datetime.now()
             self.record = {"call": f"{now.strftime('%Y-%m-%dT%H%M%S')}-{socket.gethostname().split('.')[0]}",
                            "suite": "tests", "case": "gpu-tests", "system": "hybridlm",
-                           "shard": f"{shard[0]}/{shard[1]}" if shard else "all" if _whole_suite(argv) else "part",
-                           "device": device_name(),
+                           "shard": "part" if not _whole_suite(argv) else f"{shard[0]}/{shard[1]}" if shard else "all",
+                           "device": device_label_of(len(gpu_names())),
                            "commit": current_commit(), "command": " ".join(["pytest", *argv]),
                            "date": now.date().isoformat(), "time": now.isoformat(timespec="seconds")}
 

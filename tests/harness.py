@@ -46,11 +46,10 @@ def run_command(argv: list[str], timeout: float = 300, **kwargs) -> subprocess.C
     """``subprocess.run`` for a command that may start processes of its own (a launcher and its ranks, a worker pool):
     it runs in a session of its own, and every process of that session is killed when it returns or times out, so
     no rank of this test outlives it to load the next test's machine or hold its ports."""
-    kwargs.setdefault("capture_output", True)
     kwargs.setdefault("text", True)
     check = kwargs.pop("check", False)
-    with subprocess.Popen(argv, start_new_session=True, stdout=subprocess.PIPE if kwargs.pop("capture_output") else None,
-                          stderr=subprocess.PIPE if "stderr" not in kwargs else kwargs.pop("stderr"), **kwargs) as proc:
+    pipe = subprocess.PIPE if kwargs.pop("capture_output", True) else None
+    with subprocess.Popen(argv, start_new_session=True, stdout=pipe, stderr=pipe, **kwargs) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
