@@ -200,3 +200,28 @@ def test_bad_generate_input_is_one_sentence_before_any_process_group(tmp_path, c
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and message in err, err
     assert not dist.is_initialized()
+
+
+def test_rows_that_stop_early_leave_the_batch_and_the_others_decode_as_they_would_alone(tmp_path, monkeypatch):
+    """Once few enough rows still decode, they move to the front of a smaller batch (their caches too):
+    the tokens do not change, and each row still stops at its own stop token."""
+    from hybridlm.interop.generate import load_for_generation
+    from hybridlm.model.decode_state import DecodeState
+    from hybridlm.parallel.state import SINGLE
+    generator, _, _ = load_for_generation(_checkpoint(tmp_path, tp=1), SINGLE, "cpu")
+    prompts = [PROMPTS[i % 3][: 2 + i % 4] + [i + 20] for i in range(8)]
+    alone = [generator.generate(p, 12) for p in prompts]
+    # stop tokens that end most rows early, at different steps: each row's token at step (row % 5) + 1
+    stops = {row[(i % 5) + 1] for i, row in enumerate(alone[:6])}
+    expected = []
+    for row in alone:
+        first = next((i for i, t in enumerate(row) if t in stops), None)
+        expected.append(row if first is None else row[: first + 1])
+    compactions = []
+    compact = DecodeState.compact
+    monkeypatch.setattr(DecodeState, "compact", lambda self, batch, smaller: (compactions.append((batch, smaller)),
+                                                                             compact(self, batch, smaller))[1])
+    out = generator.generate_batch(prompts, 12, stop_ids=sorted(stops), check_every=1)
+    assert out.tokens == expected
+    assert out.truncated == [len(row) == 12 and row[-1] not in stops for row in expected]
+    assert compactions and all(smaller < batch for batch, smaller in compactions), "no row left the batch"
