@@ -129,9 +129,8 @@ def stage_hf(args, paths: dict, compiled: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = transformers.AutoModelForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32 if args.tiny else torch.bfloat16,
                                                               attn_implementation="sdpa").to(device).eval()
-    if compiled:  # transformers' own recipe for fast decoding
+    if compiled:  # transformers' own recipe: with a static cache, generate compiles the decode step (reduce-overhead)
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     @torch.no_grad()
     def generate(prompts, n):
