@@ -273,6 +273,11 @@ CASES = (
          figures=("completions/s", "generation s/step", "rest s/step", "peak GiB", "hybridlm/TRL"), launcher="python",
          script=("benchmarks/grpo_throughput.py", "--out", "/tmp/grpobench-out", "--workdir", "/tmp/grpobench"),
          expected_s=420, timeout_s=590),
+    Case("generation-qwen2-0p5b", "post-training", "greedy decoding, Qwen2-0.5B shape, random bf16 weights, batch 1 and 64, 512 "
+         "new tokens; transformers generate beside it, compiled (static cache) and as TRL calls it", gpus=1,
+         figures=("tokens/s", "decode step ms", "hybridlm/this", "rows equal"), launcher="python",
+         script=("benchmarks/generation_speed.py", "--out", "/tmp/genbench-out", "--workdir", "/tmp/genbench", "--repeats", "1"),
+         expected_s=300, timeout_s=560),
     # kernels
     Case("kernels", "kernels", "rmsnorm, rope, swiglu at the reference's shapes, bf16: eager, torch.compile, fused",
          figures=("fwd", "fwd+bwd"), launcher="python", script=("benchmarks/kernels.py",), expected_s=120),
