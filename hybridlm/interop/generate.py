@@ -90,9 +90,9 @@ def generate_from_flags(args) -> int:
     generator, _, _ = load_for_generation(args.checkpoint, ps.tp, device(), dtype)
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     eos = None if args.ignore_eos or tokenizer is None else tokenizer.eod
-    results = []
-    for prompt in prompts:
-        new = generator.generate(prompt, args.max_new_tokens, sampling, eos=eos)
+    results = []  # every prompt decoded in one batch
+    completions = generator.generate_batch(prompts, args.max_new_tokens, sampling, stop_ids=() if eos is None else (eos,))
+    for prompt, new in zip(prompts, completions.tokens):
         results.append({"prompt_ids": prompt, "generated_ids": new})
         if dist.get_rank() == 0:
             text = tokenizer.decode(new) if tokenizer is not None else " ".join(map(str, new))
