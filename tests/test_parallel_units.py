@@ -65,9 +65,9 @@ def test_vocab_parallel_cross_entropy_equals_full_softmax(tp):
     assert torch.allclose(grad, full.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_bf16_cross_entropy_works_in_place_on_its_own_fp32_copy_and_leaves_the_logits_alone():
-    """At long sequences the fp32 copy of the logits is the step's largest tensor, so the loss shifts,
-    exponentiates and normalises that copy in place; the caller's bf16 logits must stay as they were."""
+def test_bf16_cross_entropy_leaves_the_logits_alone():
+    """The loss keeps the caller's bf16 logits for its backward (no fp32 copy of them): it must not
+    change them."""
     from hybridlm.parallel.state import SINGLE
     from hybridlm.parallel.tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
     generator = torch.Generator().manual_seed(3)
@@ -315,3 +315,25 @@ def test_vocab_parallel_cross_entropy_leaves_the_padding_out_even_on_a_rank_hold
         assert torch.allclose(r["loss"], want.detach(), rtol=1e-12), f"rank {rank}: {r['loss']} vs {want}"
     assert torch.allclose(got_grad[:, :300], full.grad, rtol=1e-12, atol=1e-15)
     assert not got_grad[:, 300:].any(), "padding columns got a gradient"
+
+
+def test_cross_entropy_in_chunks_of_rows_equals_the_full_softmax(monkeypatch):
+    """The statistics and the gradient are computed a few rows at a time (no fp32 copy of all the
+    logits): chunks of any size give the loss and gradient of the whole softmax."""
+    from hybridlm.parallel import tensor_parallel
+    from hybridlm.parallel.state import SINGLE
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(7, 3, 50, generator=generator, dtype=torch.float64)
+    target = torch.randint(0, 45, (7, 3), generator=generator)
+    target[2, 1] = tensor_parallel.IGNORE_INDEX
+    full = logits.clone().requires_grad_()
+    want = F.cross_entropy(full[..., :45].reshape(-1, 45), target.reshape(-1), reduction="none",
+                           ignore_index=tensor_parallel.IGNORE_INDEX).reshape(7, 3)
+    want.sum().backward()
+    for rows_per_chunk in (1, 4, 100):
+        monkeypatch.setattr(tensor_parallel, "_CHUNK_ELEMENTS", rows_per_chunk * 45)
+        ours = logits.clone().requires_grad_()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(ours, target, SINGLE, vocab_size=45)
+        loss.sum().backward()
+        assert torch.allclose(loss, want.detach(), rtol=1e-10, atol=1e-12)
+        assert torch.allclose(ours.grad, full.grad, rtol=1e-10, atol=1e-12)

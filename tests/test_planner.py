@@ -99,8 +99,8 @@ def test_a_sequence_that_cannot_fit_is_refused_in_one_sentence_naming_the_flags_
     from hybridlm.config import ConfigError
     from hybridlm.planner.fit import check_fits, checked
     h100 = 79 * 2**30
-    fits = check_fits(*_reference_run(1048576, 4), h100)  # 1M tokens at CP=4: 74 GiB planned
-    assert 70 < fits.total / 2**30 < 79
+    fits = check_fits(*_reference_run(1048576, 4), h100)  # 1M tokens at CP=4: 59 GiB planned
+    assert 50 < fits.total / 2**30 < 79
     with pytest.raises(ConfigError) as refused:
         check_fits(*_reference_run(1048576, 2), h100)
     sentence = str(refused.value)
@@ -224,7 +224,9 @@ def test_context_parallelism_divides_activations_and_is_proposed_for_long_sequen
     cfg = _cfg("llama3-8b-128k")
     one, cp8 = (estimate(cfg, Layout(cp=cp, dp=8 // cp, zero=2, recompute="full", grad_accum=4)) for cp in (1, 8))
     assert cp8.activations_without_recompute == pytest.approx(one.activations_without_recompute / 8, rel=0.02)
-    assert cp8.logits == pytest.approx(one.logits / 8) and cp8.optimizer == pytest.approx(one.optimizer)
+    from hybridlm.parallel.tensor_parallel import _CHUNK_ELEMENTS
+    chunks = 2 * 4 * _CHUNK_ELEMENTS  # the cross-entropy's fp32 chunks: the same at any CP
+    assert cp8.logits - chunks == pytest.approx((one.logits - chunks) / 8) and cp8.optimizer == pytest.approx(one.optimizer)
     assert ring_traffic_bytes(cfg, Layout(cp=8)) > 0 == ring_traffic_bytes(cfg, Layout(dp=8))
     assert main(["--model", "llama3-8b-128k", "--gpus", "8", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out

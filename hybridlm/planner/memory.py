@@ -340,23 +340,25 @@ def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
     """The output layer and the vocab-parallel cross-entropy on the last stage: (peak in forward,
     kept into backward). The head sees the full sequence (gathered under SP).
 
-    The cross-entropy (``tensor_parallel._VocabParallelCrossEntropy``) shifts, exponentiates and
-    normalises in one fp32 buffer: in bf16 its own fp32 copy beside the bf16 logits (2 + 4 bytes an
-    entry), in fp32 the shifted logits beside the logits (4 + 4). That buffer, the softmax, is kept and
-    becomes the gradient in place; a bf16 run casts it for the head's backward (4 + 2). TP=1 with
-    --torch-compile computes a compiled cross-entropy, counted here as this one."""
+    The cross-entropy (``tensor_parallel._VocabParallelCrossEntropy``) keeps the logits themselves
+    for backward and works in fp32 a chunk of rows at a time (at most two chunks of
+    ``_CHUNK_ELEMENTS`` entries alive): the forward holds the logits (and the chunks), the backward
+    the logits and their gradient, of the logits' dtype. TP=1 with --torch-compile computes a
+    compiled cross-entropy, counted here as this one."""
+    from ..parallel.tensor_parallel import _CHUNK_ELEMENTS
     e = 2 if lay.bf16 else 4
     vocab = cfg.pad_vocab(lay.tp) / lay.tp
     tokens = local_tokens(cfg, lay)
-    forward = e + 4  # the logits and the one fp32 buffer (a copy in bf16, the shifted logits in fp32)
-    backward = 4 + (e if lay.bf16 else 0)  # the softmax (becomes the gradient) and its cast to bf16
+    chunks = 2 * 4 * min(_CHUNK_ELEMENTS, tokens * vocab)
+    forward = e  # the logits
+    backward = 2 * e  # the logits, kept, and their gradient
     if lay.pp > 1:
         # DeepSpeed's pipeline engine keeps the last stage's outputs (the logits) in its buffers until
         # the buffer is reused: the current micro-batch's for backward, and the previous one's
         backward += e
         forward += e if lay.grad_accum > 1 else 0
     final_norm = (4 + 2 * e) * cfg.hidden_size  # the final norm's kept tensors
-    return tokens * (vocab * forward + final_norm), tokens * (vocab * backward + final_norm)
+    return tokens * (vocab * forward + final_norm) + chunks, tokens * (vocab * backward + final_norm) + chunks
 
 
 # ---------------------------------------------------------------- model states
