@@ -8,8 +8,8 @@ an all-gather over DP that replicas stopping after different numbers of tokens w
 The cost is the rank's TP shard of the weights whole, for the rollout's duration.
 
 Each DP replica draws from its own stream (``--seed`` and its DP rank); its TP ranks draw the same
-numbers and take TP rank 0's choice, its CP ranks decode the same rows and keep CP rank 0's
-completions. The stream's state is saved with every checkpoint (``state``), so a resumed run samples
+numbers and take the same token (the best of every rank's share of the vocabulary), its CP ranks
+decode the same rows and keep CP rank 0's completions. The stream's state is saved with every checkpoint (``state``), so a resumed run samples
 what the uninterrupted one would have.
 
 The reference (``--beta`` > 0): with LoRA, the same model with its adapters switched off; else
