@@ -142,11 +142,14 @@ def load_yaml(path: str) -> dict:
 
 
 def effective_yaml(cfg: RunConfig) -> str:
-    """The run's settings as a --config file that reproduces it."""
+    """The run's settings as a --config file that reproduces it: every value it used, except those validate
+    derived from others (``RunConfig.given_values``: the decay length, the global batch), which keep what was
+    given, so that a run reusing the file derives them again from its own flags."""
     import yaml
     flat = {}
     for section, f, _ in _cli_fields():
-        flat[f.name.replace("_", "-")] = getattr(getattr(cfg, section), f.name)
+        value = cfg.given_values.get(f.name, getattr(getattr(cfg, section), f.name))
+        flat[f.name.replace("_", "-")] = value
     return yaml.safe_dump(flat, sort_keys=False)
 
 

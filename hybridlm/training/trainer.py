@@ -244,7 +244,19 @@ def resume(run: Run) -> None:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
+            continue_schedule(run)
     run.task.loaded(run)
+
+
+def continue_schedule(run: Run) -> None:
+    """The resumed run trains with its own schedule's rate at the iteration it resumes from, at any layout and
+    whatever changed since the save (``WarmupDecayLR.continue_at``); one line says so when that differs."""
+    schedule = run.engine.lr_scheduler
+    if not isinstance(schedule, WarmupDecayLR) or not run.cfg.train.load_optim:
+        return  # a scheduler from the DeepSpeed JSON keeps its own state; --no-load-optim starts the schedule afresh
+    line = schedule.continue_at(run.iteration)
+    if line and dist.get_rank() == 0:
+        print(f"hybridlm: --load {run.cfg.train.load}: {line}.", flush=True)
 
 
 def capture(run: Run, recipe) -> None:
