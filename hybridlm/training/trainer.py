@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
+from ..config import ConfigError, RunConfig, effective_yaml, parse_args, rank_from_env, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
@@ -50,6 +50,7 @@ from .optim import WarmupDecayLR, build_optimizer
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
 from .replicas import ReplicaCheck, ReplicasDiverged
+from .save_lock import SaveLock
 from .step import release_cached_memory, run_step
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
@@ -364,6 +365,27 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     """The whole job (any --task). Returns the logged records (for tests and benchmarks)."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
     cfg, ds_config = prepare_config(parse(argv))
+    lock = lock_save_directory(cfg)
+    try:
+        return train(cfg, ds_config, started)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_save_directory(cfg: RunConfig) -> Optional[SaveLock]:
+    """Rank 0 locks --save before any process group exists, so that a second run on it is refused in one
+    sentence (the other ranks stop with it: every launcher ends a job one of whose ranks exited)."""
+    if not cfg.train.save or rank_from_env() != 0:
+        return None
+    lock = SaveLock.acquire(cfg.train.save)
+    if lock.note:
+        print(f"hybridlm: {lock.note}", flush=True)
+    return lock
+
+
+def train(cfg: RunConfig, ds_config: dict, started: float) -> list[dict]:
+    """The job after validation: set-up, the loop, the final save."""
     early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
     run = build_run(cfg, ds_config)
     t = cfg.train
