@@ -212,3 +212,12 @@ class WarmupDecayLR:
         # checkpoints written before the schedule counted samples hold only the step count
         self.num_steps = state["num_steps"] if "num_steps" in state else state["last_step"] * self.increment
         self._apply()
+
+
+def continue_schedule(schedule, iteration: int, *, load_optim: bool) -> str | None:
+    """After a resume the run trains with its own schedule's rate at the iteration it resumes from, at any layout
+    and whatever changed since the save (``WarmupDecayLR.continue_at``); returns the line saying so when that
+    differs. A scheduler from the DeepSpeed JSON keeps its own state; --no-load-optim starts the schedule afresh."""
+    if not isinstance(schedule, WarmupDecayLR) or not load_optim:
+        return None
+    return schedule.continue_at(iteration)

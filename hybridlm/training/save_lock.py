@@ -54,6 +54,18 @@ class SaveLock:
                    f"{holder.get('started', '?')}), a run that ended without releasing it."
         return cls(path, fd, note)
 
+    @classmethod
+    def for_run(cls, cfg) -> "SaveLock | None":
+        """Rank 0 of a run with --save locks it before any process group exists, so that a second run on it is refused
+        in one sentence (the other ranks stop with it: every launcher ends a job one of whose ranks exited)."""
+        from ..config import rank_from_env
+        if not cfg.train.save or rank_from_env() != 0:
+            return None
+        lock = cls.acquire(cfg.train.save)
+        if lock.note:
+            print(f"hybridlm: {lock.note}", flush=True)
+        return lock
+
     def release(self) -> None:
         """Remove the lock file, then drop the lock (in that order: a waiting run then opens a new file)."""
         if self._fd is None:

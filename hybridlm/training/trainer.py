@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, RunConfig, effective_yaml, parse_args, rank_from_env, world_size_from_env
+from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
@@ -46,7 +46,8 @@ from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .monitor import Monitor, check_config as check_monitor_config
 from .moe_metrics import collect_moe_stats, tracker_metrics
-from .optim import WarmupDecayLR, build_optimizer
+from .optim import WarmupDecayLR, build_optimizer, continue_schedule
+from .checkpoint_io import CheckpointSaveFailed
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
 from .profiling import StepProfiler
 from .replicas import ReplicaCheck, ReplicasDiverged
@@ -122,6 +123,9 @@ def check_model_impl(cfg: RunConfig) -> str:
             raise ConfigError("--fp8-format cannot be combined with --recompute-granularity yet: recomputing an FP8 "
                               "layer needs Transformer Engine's own checkpointing to replay its scaling state.")
     return line
+
+
+SAVE_FAILED_EXIT_CODE = 74  # sysexits.h EX_IOERR: the run stopped because a checkpoint could not be written
 
 
 class TrainingStopped(RuntimeError):
@@ -245,19 +249,10 @@ def resume(run: Run) -> None:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
-            continue_schedule(run)
+            line = continue_schedule(run.engine.lr_scheduler, run.iteration, load_optim=t.load_optim)
+            if line and dist.get_rank() == 0:
+                print(f"hybridlm: --load {t.load}: {line}.", flush=True)
     run.task.loaded(run)
-
-
-def continue_schedule(run: Run) -> None:
-    """The resumed run trains with its own schedule's rate at the iteration it resumes from, at any layout and
-    whatever changed since the save (``WarmupDecayLR.continue_at``); one line says so when that differs."""
-    schedule = run.engine.lr_scheduler
-    if not isinstance(schedule, WarmupDecayLR) or not run.cfg.train.load_optim:
-        return  # a scheduler from the DeepSpeed JSON keeps its own state; --no-load-optim starts the schedule afresh
-    line = schedule.continue_at(run.iteration)
-    if line and dist.get_rank() == 0:
-        print(f"hybridlm: --load {run.cfg.train.load}: {line}.", flush=True)
 
 
 def capture(run: Run, recipe) -> None:
@@ -365,23 +360,12 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     """The whole job (any --task). Returns the logged records (for tests and benchmarks)."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
     cfg, ds_config = prepare_config(parse(argv))
-    lock = lock_save_directory(cfg)
+    lock = SaveLock.for_run(cfg)
     try:
         return train(cfg, ds_config, started)
     finally:
         if lock is not None:
             lock.release()
-
-
-def lock_save_directory(cfg: RunConfig) -> Optional[SaveLock]:
-    """Rank 0 locks --save before any process group exists, so that a second run on it is refused in one
-    sentence (the other ranks stop with it: every launcher ends a job one of whose ranks exited)."""
-    if not cfg.train.save or rank_from_env() != 0:
-        return None
-    lock = SaveLock.acquire(cfg.train.save)
-    if lock.note:
-        print(f"hybridlm: {lock.note}", flush=True)
-    return lock
 
 
 def train(cfg: RunConfig, ds_config: dict, started: float) -> list[dict]:
@@ -499,9 +483,9 @@ def main(argv: Optional[list[str]] = None, parse=parse_args) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         pretrain(argv, parse)
-    except (ConfigError, TrainingStopped, ReplicasDiverged) as e:
+    except (ConfigError, TrainingStopped, ReplicasDiverged, CheckpointSaveFailed) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3
+        return 2 if isinstance(e, ConfigError) else SAVE_FAILED_EXIT_CODE if isinstance(e, CheckpointSaveFailed) else 3
     except Preempted as e:
         if dist.get_rank() == 0:
             print(f"hybridlm: {e}; exit code {REQUEUE_EXIT_CODE} asks for a requeue", flush=True)
