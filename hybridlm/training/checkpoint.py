@@ -16,6 +16,7 @@ removes its folder and stops the run with one sentence (``checkpoint_io``).
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -221,6 +222,14 @@ def _give_up(directory: str, tag: str, failure: str) -> None:
     kept = f"'{LATEST}' still names {previous}" if previous else "no checkpoint was saved before it"
     raise CheckpointSaveFailed(f"saving {tag} to --save {directory} failed, {failure}; removed the partial {tag}, {kept}; "
                                f"free space or fix the directory, then resume with --load {directory}.")
+
+
+def write_run_files(directory: str, cfg, ds_config: dict) -> None:
+    """The run's settings (a --config file that reproduces it) and the DeepSpeed JSON it used, in --save."""
+    from ..config import effective_yaml
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, "config.yaml"), effective_yaml(cfg))
+    atomic_write_text(os.path.join(directory, "ds_config.json"), json.dumps(ds_config, indent=2))
 
 
 def prune(directory: str, keep_last: int) -> list[str]:

@@ -5,8 +5,8 @@ each part made from the ones before it), then the loop.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
+from ..config import ConfigError, RunConfig, parse_args, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
@@ -48,7 +48,7 @@ from .monitor import Monitor, check_config as check_monitor_config
 from .moe_metrics import collect_moe_stats, tracker_metrics
 from .optim import WarmupDecayLR, build_optimizer, continue_schedule
 from .checkpoint_io import CheckpointSaveFailed
-from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
+from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Interrupted, Preempted
 from .profiling import StepProfiler
 from .replicas import ReplicaCheck, ReplicasDiverged
 from .save_lock import SaveLock
@@ -347,15 +347,6 @@ def save_checkpoint(run: Run) -> None:
                     rank_state=run.task.rank_state())
 
 
-def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
-    """The effective settings (a --config file that reproduces the run) and the DeepSpeed JSON used."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.yaml"), "w") as f:
-        f.write(effective_yaml(cfg))
-    with open(os.path.join(directory, "ds_config.json"), "w") as f:
-        json.dump(ds_config, f, indent=2)
-
-
 def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     """The whole job (any --task). Returns the logged records (for tests and benchmarks)."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
@@ -398,7 +389,7 @@ def train(cfg: RunConfig, ds_config: dict, started: float) -> list[dict]:
         if cfg.model.lora_rank:
             print(f"hybridlm: {describe_adapters(run.engine.module, cfg.model)}", flush=True)
     if t.save and rank0:
-        write_run_files(t.save, cfg, ds_config)
+        checkpoint.write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
                               wandb_dir=t.wandb_dir or t.save, tensorboard_dir=t.tensorboard_dir,
                               config=cfg.to_dict(), wandb_resume_id=run.wandb_run_id)
@@ -460,6 +451,7 @@ def train(cfg: RunConfig, ds_config: dict, started: float) -> list[dict]:
         stop = early_exit.reason(run.iteration, device()) if run.iteration < t.train_iters else None
         if stop:
             break  # every rank saves below, at the same iteration
+    early_exit.saving()  # a stop signal from here on waits for this save
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
     profiler.close()
@@ -468,6 +460,10 @@ def train(cfg: RunConfig, ds_config: dict, started: float) -> list[dict]:
     close_all(trackers)
     log.close()
     early_exit.restore()
+    if run.iteration < t.train_iters and early_exit.stopped_by:
+        raise Interrupted(f"{early_exit.stopped_by} received: saved {checkpoint.tag_for(run.iteration)} to {t.save} and stopped at "
+                          f"iteration {run.iteration} of {t.train_iters}; continue with --load {t.save}",
+                          signal.Signals[early_exit.stopped_by])
     if run.iteration < t.train_iters and stop == "signal":
         raise Preempted(f"{t.exit_signal} received: saved {checkpoint.tag_for(run.iteration)} in {t.save} and stopped "
                         f"at iteration {run.iteration} of {t.train_iters}")
@@ -490,6 +486,10 @@ def main(argv: Optional[list[str]] = None, parse=parse_args) -> int:
         if dist.get_rank() == 0:
             print(f"hybridlm: {e}; exit code {REQUEUE_EXIT_CODE} asks for a requeue", flush=True)
         code = REQUEUE_EXIT_CODE
+    except Interrupted as e:
+        if dist.get_rank() == 0:
+            print(f"hybridlm: {e}.", flush=True)
+        code = e.exit_code
     else:
         code = 0
     if dist.is_initialized():
