@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from typing import Any, Optional, get_type_hints
 
 from ..presets import MODELS, SHAPE_FLAGS
@@ -35,6 +36,12 @@ class OneLineErrors(argparse.ArgumentParser):
     """argparse, but a mistyped flag or value is answered by its one error line and where the flags are
     listed, not by the usage of every flag; and once: each rank of a launch parses the same command
     line before any process group exists, so only the launch's rank 0 (from the environment) says it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse reads "-1e-3" as an option (its negative numbers have no exponent): --lr -1e-3 would end in
+        # "expected one argument" instead of the flag's own check
+        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.?\d+(?:[eE][-+]?\d+)?$")
 
     def error(self, message: str):
         if rank_from_env() != 0:

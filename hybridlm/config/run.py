@@ -15,11 +15,12 @@ from .fields import ConfigError, refuse_first
 from .model import QUANT_BLOCK, ModelConfig
 from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
-# Settings that ``validate`` fills in from others when left unset: a saved config.yaml keeps what was given for
-# them (usually nothing), so a run that reuses it derives them again from its own flags (a longer --train-iters
-# decays over its own length, another world size gets its own global batch).
-DERIVED_WHEN_UNSET = ("global_batch_size", "train_iters", "lr_decay_iters", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
-                      "sequence_parallel", "partition_activations", "recompute_modules")
+# Settings that ``validate`` fills in from the others when left unset, or turns off for this layout: a saved
+# config.yaml keeps what was given for them (usually nothing), so a run that reuses it resolves them again from
+# its own flags (a longer --train-iters decays over its own length, another world size gets its own global batch).
+RESOLVED_BY_VALIDATE = ("global_batch_size", "train_iters", "lr_decay_iters", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+                        "sequence_parallel", "partition_activations", "recompute_modules",
+                        "check_weight_hash_across_dp_replicas_interval")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")  # what --recompute-modules can name here
 # Megatron-LM's other modules (output-discarding recompute of norms and activations, MLA, split experts, overlap).
 MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mlp_act", "layernorm", "mla_up_proj", "pre_mlp", "shared_experts",
@@ -35,7 +36,7 @@ class RunConfig:
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
     notes: list = field(default_factory=list)  # lines for the run log: what a Megatron flag maps to here
     typed: frozenset = None  # the flags given on the command line or in --config, not by a preset (default: explicit)
-    given_values: dict = field(default_factory=dict)  # {name: value before validate} of the DERIVED_WHEN_UNSET it changed
+    given_values: dict = field(default_factory=dict)  # {name: value before validate} of the RESOLVED_BY_VALIDATE it changed
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -51,9 +52,9 @@ class RunConfig:
         return self
 
     def _derivable_values(self) -> dict:
-        """The current values of DERIVED_WHEN_UNSET (copied: validate may replace a list)."""
+        """The current values of RESOLVED_BY_VALIDATE (copied: validate may replace a list)."""
         sections = (self.parallel, self.train)
-        return {name: copy.copy(getattr(next(s for s in sections if hasattr(s, name)), name)) for name in DERIVED_WHEN_UNSET}
+        return {name: copy.copy(getattr(next(s for s in sections if hasattr(s, name)), name)) for name in RESOLVED_BY_VALIDATE}
 
     def _validate(self, world_size: int) -> None:
         m, p, t = self.model, self.parallel, self.train
@@ -144,6 +145,10 @@ class RunConfig:
         interval = t.check_weight_hash_across_dp_replicas_interval
         if interval is not None and interval < 1:
             raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be at least 1, got {interval}.")
+        if interval is not None and p.data_parallel_size * cp == 1:  # no rank holds a copy of another's weights
+            t.check_weight_hash_across_dp_replicas_interval = None
+            self.notes.append("--check-weight-hash-across-dp-replicas-interval is off: DP x CP is 1, so no two ranks hold "
+                              "the same weights to compare.")
         if t.manual_gc_interval < 0 or (t.manual_gc_interval and not t.manual_gc):
             raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:
@@ -424,6 +429,13 @@ class RunConfig:
             raise ConfigError(f"--recompute-modules {unknown[0]}: " + ("Megatron-LM's recompute of that part is not implemented "
                               "here" if later else "unknown module") + f"; hybridlm recomputes {', '.join(RECOMPUTE_MODULES)}.")
         p.recompute_modules = list(dict.fromkeys(p.recompute_modules))
+        m = self.model
+        idle = [("moe", m.num_experts is None, "the model has no MoE layers (no --num-experts)"),
+                ("mlp", m.num_experts is not None and m.moe_layer_freq == 1, "every layer's MLP is an MoE layer (use moe)")]
+        for module, does_nothing, why in idle:
+            if module in p.recompute_modules and does_nothing:
+                p.recompute_modules.remove(module)
+                self.notes.append(f"--recompute-modules {module} does nothing here: {why}.")
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""
