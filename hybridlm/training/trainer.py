@@ -352,16 +352,17 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
     cfg, ds_config = prepare_config(parse(argv))
     lock = SaveLock.for_run(cfg)
+    early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
     try:
-        return train(cfg, ds_config, started)
-    finally:
+        return train(cfg, ds_config, early_exit)
+    finally:  # whatever ended the run: the signal dispositions it found, and --save free for the next run
+        early_exit.restore()
         if lock is not None:
             lock.release()
 
 
-def train(cfg: RunConfig, ds_config: dict, started: float) -> list[dict]:
+def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit) -> list[dict]:
     """The job after validation: set-up, the loop, the final save."""
-    early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
     run = build_run(cfg, ds_config)
     t = cfg.train
     rank0 = dist.get_rank() == 0
