@@ -110,3 +110,19 @@ def test_a_resumed_run_trains_with_its_own_schedules_rate_at_the_iteration_it_re
     assert run_ranks(1, _first_lr, longer + ["--global-batch-size", "4"])[0] == pytest.approx(want, rel=1e-6)
     assert run_ranks(2, _first_lr, longer)[0] == pytest.approx(want, rel=1e-6)  # DP=2: resharded
     assert not math.isclose(want, _linear(1e-2, 2, 4))
+
+
+def test_a_resume_keeps_the_clock_of_the_applied_steps_only():
+    """Skipped steps (non-finite gradients) never moved the clock; the resumed clock leaves them out too, so a resume
+    with unchanged flags is the uninterrupted run's schedule exactly and says nothing."""
+    import torch
+
+    from hybridlm.training.optim import WarmupDecayLR
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    schedule = WarmupDecayLR(optimizer, lr=1.0, min_lr=0.0, warmup_steps=0, decay_steps=80, style="linear", increment=8)
+    for _ in range(3):  # iterations 1, 2 and 4 applied, 3 skipped
+        schedule.step()
+    assert schedule.continue_at(4, skipped=1) is None and schedule.num_steps == 24
+    line = schedule.continue_at(6, skipped=1)
+    assert schedule.num_steps == 40 and optimizer.param_groups[0]["lr"] == pytest.approx(0.5)
+    assert line.startswith("the LR schedule continues at iteration 6 of this run's schedule (lr 5.000e-01, sample 40)")

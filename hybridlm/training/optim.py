@@ -194,13 +194,14 @@ class WarmupDecayLR:
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "last_step": self.num_steps // max(self.increment, 1)}
 
-    def continue_at(self, iteration: int) -> str | None:
-        """After a resume: put the clock at ``iteration`` of this run's schedule and set that rate now. A checkpoint's
-        clock counts the samples of the run that saved it, and the optimizer state loaded after it restores that
-        run's rate; with another --train-iters or --global-batch-size either would train at the old schedule's rate
-        (or past the new one's end, at LR 0). Returns a line for the log when that moved the rate or the clock."""
+    def continue_at(self, iteration: int, skipped: int = 0) -> str | None:
+        """After a resume: put the clock at ``iteration`` of this run's schedule (less the ``skipped`` steps, which
+        never moved it) and set that rate now. A checkpoint's clock counts the samples of the run that saved it, and
+        the optimizer state loaded after it restores that run's rate; with another --train-iters or
+        --global-batch-size either would train at the old schedule's rate (or past the new one's end, at LR 0).
+        Returns a line for the log when that moved the rate or the clock."""
         saved_samples, saved_lr = self.num_steps, self.optimizer.param_groups[0]["lr"]
-        self.num_steps = iteration * self.increment
+        self.num_steps = max(iteration - skipped, 0) * self.increment
         self._apply()
         lr = self.optimizer.param_groups[0]["lr"]
         if saved_samples == self.num_steps and math.isclose(saved_lr, lr, rel_tol=1e-9, abs_tol=0.0):
@@ -214,10 +215,10 @@ class WarmupDecayLR:
         self._apply()
 
 
-def continue_schedule(schedule, iteration: int, *, load_optim: bool) -> str | None:
+def continue_schedule(schedule, iteration: int, *, skipped: int, load_optim: bool) -> str | None:
     """After a resume the run trains with its own schedule's rate at the iteration it resumes from, at any layout
     and whatever changed since the save (``WarmupDecayLR.continue_at``); returns the line saying so when that
     differs. A scheduler from the DeepSpeed JSON keeps its own state; --no-load-optim starts the schedule afresh."""
     if not isinstance(schedule, WarmupDecayLR) or not load_optim:
         return None
-    return schedule.continue_at(iteration)
+    return schedule.continue_at(iteration, skipped)

@@ -249,7 +249,8 @@ def resume(run: Run) -> None:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
-            line = continue_schedule(run.engine.lr_scheduler, run.iteration, load_optim=t.load_optim)
+            line = continue_schedule(run.engine.lr_scheduler, run.iteration, skipped=run.engine.skipped_steps,
+                                     load_optim=t.load_optim)
             if line and dist.get_rank() == 0:
                 print(f"hybridlm: --load {t.load}: {line}.", flush=True)
     run.task.loaded(run)
