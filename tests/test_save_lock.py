@@ -69,3 +69,16 @@ def test_a_run_on_a_save_directory_in_use_is_refused_before_any_process_group_an
     assert sorted(os.listdir(tmp_path)) == []
     code, _, _, _ = run_ranks(1, _main, flags)[0]
     assert code == 0 and (tmp_path / "latest").read_text() == "global_step1" and not (tmp_path / LOCK_FILE).exists()
+
+
+def test_without_flock_a_lock_of_the_same_slurm_job_is_stale_and_one_of_another_host_is_held(monkeypatch):
+    """File systems without flock (Lustre without its flock option): a requeued Slurm job takes over its own earlier
+    run's lock on any node; another host's lock is held; this host's is stale once its process is gone."""
+    from hybridlm.training.save_lock import _held_without_flock
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert not _held_without_flock({"host": "node7", "pid": 1, "slurm_job": "4242"})
+    assert _held_without_flock({"host": "node7", "pid": 1, "slurm_job": "4241"})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert not _held_without_flock({"host": socket.gethostname(), "pid": dead.pid})
+    assert _held_without_flock({"host": socket.gethostname(), "pid": os.getpid()})

@@ -5,8 +5,9 @@ the other's ``global_step*``) and both exit 0. The lock is an ``flock`` on ``<sa
 which also records who holds it (host, pid, start time) for the refusal. The kernel drops an ``flock``
 when its process dies, however it dies, so a lock file left by a killed job is recognised as stale
 (its lock is free) and taken over, with one line naming the job that left it. Where the file system
-does not support ``flock``, a lock of this host is stale when its process is gone, and one of another
-host is refused with the file to delete.
+does not support ``flock`` (Lustre without its flock option), a lock of this host is stale when its
+process is gone, one of the same Slurm job (a requeue) is stale, and one of another host is refused with
+the file to delete.
 """
 from __future__ import annotations
 
@@ -97,8 +98,11 @@ def _flock(fd: int, holder: dict, path: str) -> None:
 
 
 def _held_without_flock(holder: dict) -> bool:
-    """Without flock: a lock of another host counts as held; one of this host while its pid lives."""
+    """Without flock: a lock of another host counts as held, unless the same Slurm job wrote it (a requeued job runs
+    again only once its earlier run has ended); one of this host while its pid lives."""
     if not holder:
+        return False
+    if holder.get("slurm_job") and holder.get("slurm_job") == os.environ.get("SLURM_JOB_ID"):
         return False
     if holder.get("host") != socket.gethostname():
         return True
@@ -127,4 +131,7 @@ def _same_file(fd: int, path: str) -> bool:
 
 
 def _this_process() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    mine = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if os.environ.get("SLURM_JOB_ID"):
+        mine["slurm_job"] = os.environ["SLURM_JOB_ID"]
+    return mine
