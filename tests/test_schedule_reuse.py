@@ -38,7 +38,7 @@ def test_the_printed_continue_command_with_a_longer_run_decays_over_the_whole_ru
     ckpt, lines = str(tmp_path / "ckpt"), []
     import_from_hf(str(tmp_path / "hf"), ckpt, seq_length=32, progress=False, log=lines.append)
     saved = yaml.safe_load(open(os.path.join(ckpt, "config.yaml")))
-    assert saved.get("lr-decay-iters") is None and saved.get("global-batch-size") is None, saved
+    assert "lr-decay-iters" not in saved and "global-batch-size" not in saved, saved
     line = next(line for line in lines if "continue with:" in line)
     argv = _continue_argv(line, ["--mock-data"]) + ["--train-iters", "400"] + ZERO1
     cfg, _ = prepare_config(parse_args(argv), world_size=1)
@@ -54,7 +54,7 @@ def test_a_run_file_saved_by_a_run_keeps_its_settings_and_not_their_derived_valu
     cfg = parse_args(TINY + ["--train-iters", "30", "--global-batch-size", "8"]).validate(1)
     saved = yaml.safe_load(effective_yaml(cfg))
     assert saved["train-iters"] == 30 and saved["global-batch-size"] == 8
-    assert saved["lr-decay-iters"] is None  # derived from --train-iters: a longer reuse decays over its own run
+    assert "lr-decay-iters" not in saved  # derived from --train-iters: a longer reuse decays over its own run
     reused = parse_args(["--config", _write(tmp_path / "config.yaml", saved), "--train-iters", "60"]).validate(1)
     assert reused.train.lr_decay_iters == 60
 
@@ -126,3 +126,14 @@ def test_a_resume_keeps_the_clock_of_the_applied_steps_only():
     line = schedule.continue_at(6, skipped=1)
     assert schedule.num_steps == 40 and optimizer.param_groups[0]["lr"] == pytest.approx(0.5)
     assert line.startswith("the LR schedule continues at iteration 6 of this run's schedule (lr 5.000e-01, sample 40)")
+
+
+def test_a_samples_counted_run_file_is_reused_with_another_global_batch(tmp_path):
+    """The iterations a --train-samples run derived are not written: its config.yaml reused with another
+    --global-batch-size derives its own instead of being refused for contradicting --train-samples."""
+    from hybridlm.config import effective_yaml, parse_args
+    cfg = parse_args(["--global-batch-size", "8", "--train-samples", "800"]).validate(1)
+    saved = yaml.safe_load(effective_yaml(cfg))
+    assert "train-iters" not in saved and saved["train-samples"] == 800
+    reused = parse_args(["--config", _write(tmp_path / "config.yaml", saved), "--global-batch-size", "16"]).validate(1)
+    assert reused.train.train_iters == 50

@@ -150,12 +150,17 @@ def load_yaml(path: str) -> dict:
 
 def effective_yaml(cfg: RunConfig) -> str:
     """The run's settings as a --config file that reproduces it: every value it used, except those validate
-    derived from others (``RunConfig.given_values``: the decay length, the global batch), which keep what was
-    given, so that a run reusing the file derives them again from its own flags."""
+    resolved from the others (``RunConfig.given_values``: the decay length, the global batch, the iterations of
+    --train-samples), which keep what was given, or are left out when nothing was, so that a run reusing the
+    file derives them again from its own flags."""
     import yaml
     flat = {}
     for section, f, _ in _cli_fields():
-        value = cfg.given_values.get(f.name, getattr(getattr(cfg, section), f.name))
+        value = getattr(getattr(cfg, section), f.name)
+        if f.name in cfg.given_values:
+            value = cfg.given_values[f.name]
+            if value == f.default:
+                continue
         flat[f.name.replace("_", "-")] = value
     return yaml.safe_dump(flat, sort_keys=False)
 
