@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         return preprocess(args.input, args.output_prefix, spec, json_keys=args.json_keys, append_eod=args.append_eod,
                           workers=args.workers, skip_bad_lines=args.skip_bad_lines,
                           chunk_bytes=max(1, int(args.chunk_mb * 2**20)), progress=not args.no_progress)
-    code, stats = run_script(work, error_code=1)
+    code, stats = run_script(work)
     if stats is None:
         return code
     for example in stats.bad_examples:

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
                                       max_documents=args.max_documents, skip_bad_lines=args.skip_bad_lines)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"wrote {path} (vocabulary {vocab}); use --tokenizer-type HuggingFaceTokenizer --tokenizer-model {path}")
     return 0
 

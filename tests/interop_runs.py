@@ -72,7 +72,8 @@ def train(flags: list[str], steps: int, save: bool = False, with_optimizer: bool
     from deepspeed.utils import logger
 
     from hybridlm.config import parse_args
-    from hybridlm.training.trainer import build_run, data_iterator, prepare_config, save_checkpoint, train_step, write_run_files
+    from hybridlm.training.checkpoint import write_run_files
+    from hybridlm.training.trainer import build_run, data_iterator, prepare_config, save_checkpoint, train_step
 
     logger.setLevel(logging.WARNING)
     cfg, ds = prepare_config(parse_args(flags))

@@ -108,7 +108,8 @@ def test_bad_yaml_run_file_is_one_sentence(tmp_path, text, sentence):
 @pytest.mark.parametrize("flags, modules, note", [
     (["--recompute-granularity", "selective"], ["core_attn"], None),  # Megatron-LM's default
     (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "core_attn", "mlp"], ["mlp", "core_attn"], None),
-    (["--recompute-granularity", "selective", "--recompute-modules", "moe"], ["moe"], None),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe"], [], "--recompute-modules moe does nothing here"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe", "--num-experts", "4"], ["moe"], None),
     (["--recompute-granularity", "selective", "--recompute-modules"], [], None),  # selective, nothing named: nothing rebuilt
     (["--recompute-granularity", "full", "--recompute-modules", "mlp"], [], "--recompute-modules mlp does nothing without"),
 ])

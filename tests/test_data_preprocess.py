@@ -163,7 +163,7 @@ def test_script_prints_a_summary_and_exits_nonzero_with_the_sentence_on_bad_inpu
     script = [sys.executable, os.path.join(ROOT, "scripts", "preprocess_data.py"), "--input", str(src),
               "--output-prefix", str(tmp_path / "o"), "--append-eod"]
     failed = run_command(script, capture_output=True, text=True)
-    assert failed.returncode == 1 and f"error: {src}:2: 'text' is a JSON int, not a string." in failed.stderr
+    assert failed.returncode == 2 and f"error: {src}:2: 'text' is a JSON int, not a string." in failed.stderr
     ok = run_command(script + ["--skip-bad-lines", "--workers", "2"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "1 documents, 6 tokens, 1 bad line(s) skipped" in ok.stdout and f"--data-path {tmp_path / 'o'}_text_document" in ok.stdout

@@ -69,7 +69,8 @@ def random_b_run(flags: list[str], steps: int, save: str | None, mutate: bool = 
     from deepspeed.utils import logger
 
     from hybridlm.config import parse_args
-    from hybridlm.training.trainer import build_run, data_iterator, prepare_config, save_checkpoint, train_step, write_run_files
+    from hybridlm.training.checkpoint import write_run_files
+    from hybridlm.training.trainer import build_run, data_iterator, prepare_config, save_checkpoint, train_step
 
     logger.setLevel(logging.WARNING)
     if mutate:  # the mutation check: the replicated factor's gradient is not summed over TP under SP

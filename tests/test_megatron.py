@@ -138,7 +138,7 @@ def test_sample_based_schedule_counts_as_megatron():
 
 
 def test_warmup_fraction_is_of_the_decay():
-    cfg = parse_args(["--global-batch-size", "8", "--train-iters", "100", "--lr-decay-iters", "80",
+    cfg = parse_args(["--global-batch-size", "8", "--train-iters", "100", "--lr-decay-iters", "80", "--min-lr", "1e-5",
                       "--lr-warmup-fraction", "0.05"]).validate(1)
     assert cfg.train.schedule_in_samples()[:2] == (0.05 * 80 * 8, 80 * 8)
 

@@ -1,15 +1,17 @@
 """--exit-signal-handler: a signal to any one rank makes every rank save at the same step and
-exit with the requeue code, and the resumed run continues as if never stopped."""
+exit with the requeue code, and the resumed run continues as if never stopped. Without it, SIGINT
+(Ctrl-C) and SIGTERM do the same with exit code 128 + the signal's number."""
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 
 import pytest
 
 from harness import run_ranks
-from oracle import TINY, ds_config
+from oracle import ROOT, TINY, ds_config
 
 FLAGS = TINY + ds_config("zero1") + ["--hidden-dropout", "0.1", "--train-iters", "5", "--lr-decay-iters", "5",
                                      "--log-interval", "1"]
@@ -71,3 +73,103 @@ def test_exit_signal_handler_needs_save():
     from hybridlm.config import ConfigError, parse_args
     with pytest.raises(ConfigError, match="--exit-signal-handler needs --save"):
         parse_args(["--exit-signal-handler"]).validate(1)
+
+
+# ---------------------------------------------------------------- SIGINT and SIGTERM (issue 47, item 3)
+
+def _main_stopped_by(flags: list[str], signal_rank: int, at_iteration: int, signum: int):
+    """main() (stdout captured) where rank ``signal_rank`` receives ``signum`` right after step ``at_iteration``."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from hybridlm.training import trainer
+    original = trainer.train_step
+
+    def step_then_signal(run, batches):
+        loss = original(run, batches)
+        if run.iteration == at_iteration and dist.get_rank() == signal_rank:
+            os.kill(os.getpid(), signum)
+        return loss
+
+    trainer.train_step = step_then_signal
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = trainer.main(flags)
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_sigint_or_sigterm_to_one_rank_saves_on_every_rank_and_exits_with_one_line(tmp_path, signum):
+    """Ctrl-C (or a launcher's SIGTERM) reaching any one rank: every rank finishes the step, saves it and exits
+    128 + the signal's number; the log says what was saved where, and how to continue."""
+    run_dir = tmp_path / "run"
+    flags = FLAGS + ["--save", str(run_dir)]
+    results = run_ranks(2, _main_stopped_by, flags, 1, 2, signum)
+    assert [code for code, _ in results] == [128 + signum] * 2
+    assert (run_dir / "latest").read_text() == "global_step2"
+    name = signal.Signals(signum).name
+    out = results[0][1]
+    assert f"hybridlm: {name} received: saved global_step2 to {run_dir} and stopped at iteration 2 of 5; continue with " \
+           f"--load {run_dir}." in out.splitlines()
+    assert f"hybridlm: saved global_step2 to {run_dir} (" in out
+
+
+def _stop_signals_then(sends: int, grace: float) -> None:
+    """In a child: watch SIGINT, receive it ``sends`` times, then wait (never reaching a save)."""
+    import time
+
+    from hybridlm.training.preemption import StopSignals
+    StopSignals(["SIGINT"], grace=grace)
+    for _ in range(sends):
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("sends, grace", [(2, 60.0), (1, 0.1)], ids=["second_ctrl_c", "no_step_ends_within_the_grace"])
+def test_a_second_ctrl_c_or_a_step_that_never_ends_stops_at_once_without_saving(sends, grace):
+    import multiprocessing
+    child = multiprocessing.get_context("fork").Process(target=_stop_signals_then, args=(sends, grace))
+    child.start()
+    child.join(timeout=30)
+    assert child.exitcode == 128 + signal.SIGINT
+
+
+def _launch_and_interrupt(argv: list[str], metrics, timeout: float = 240):
+    """Start a launcher command in a session of its own, and once the first step is logged send SIGINT to its whole
+    process group, as Ctrl-C in a terminal does (the launcher and every rank get it). Returns (exit code, output)."""
+    import subprocess
+    import time
+
+    from harness import _kill_session
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+           "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        return proc.returncode, output
+    finally:
+        _kill_session(proc.pid)
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_the_deepspeed_launcher_saves_the_step_in_flight(tmp_path):
+    """The issue's case: Ctrl-C reaches the ``deepspeed`` launcher and both ranks, and the launcher then terminates the
+    ranks one by one (SIGTERM, SIGKILL after 30 s): the ranks still save before they exit, and say so."""
+    from harness import free_port
+    run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
+    flags = TINY + ds_config("zero1") + ["--train-iters", "200", "--log-interval", "1", "--save", str(run_dir),
+                                         "--metrics-file", str(metrics)]
+    _, output = _launch_and_interrupt([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--master_port",
+                                       str(free_port()), "--num_gpus", "2", "scripts/pretrain.py", *flags], metrics)
+    latest = (run_dir / "latest").read_text()
+    logged = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    assert latest == f"global_step{logged[-1]}", output
+    assert f"hybridlm: SIGINT received: saved {latest} to {run_dir} and stopped at iteration {logged[-1]} of 200" in output, output

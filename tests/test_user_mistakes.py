@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 
 import pytest
 
@@ -86,8 +87,9 @@ def saved_run(tmp_path_factory):
 
 def test_pretrain_from_an_empty_load_starts_from_scratch_and_says_so(saved_run):
     run, (_, _, err, _) = saved_run
-    assert (f"warning: --load {run}: no such directory: training starts from scratch at iteration 0, as Megatron-LM does"
-            in err), err
+    # (--save, the same directory, is created at start-up: its lock file lives there)
+    assert (f"warning: --load {run} holds no checkpoint (no 'latest' file): training starts from scratch at iteration 0, "
+            "as Megatron-LM does" in err), err
 
 
 def test_a_resume_says_which_checkpoint_it_loaded(saved_run, tmp_path):
@@ -321,3 +323,100 @@ def test_a_pipeline_with_tied_embeddings_trains_and_resumes_without_an_autograd_
     flags = TINY + ZERO1 + ["--pipeline-model-parallel-size", "2", "--save", run]
     for argv in (flags + ["--train-iters", "1"], flags + ["--train-iters", "2", "--load", run]):
         assert run_ranks(2, _pipeline_warnings, argv, timeout=300) == [(0, []), (0, [])]
+
+
+# ---------------------------------------------------------------- issue 47, item 6: the smaller ones
+
+def _init_on_a_taken_port() -> str:
+    """In a child: rank 0 of a one-rank launch whose MASTER_PORT another process listens on."""
+    import socket
+
+    from hybridlm.config import ConfigError
+    from hybridlm.training.distributed import init_distributed
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(holder.getsockname()[1]), RANK="0", LOCAL_RANK="0",
+                      WORLD_SIZE="1")
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        init_distributed(0.5)
+    except ConfigError as e:
+        return str(e)
+    except Exception as e:  # noqa: BLE001 - what the user would have seen instead
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _in_a_child(fn):
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    child = ctx.Process(target=lambda: results.put(fn()))
+    child.start()
+    try:
+        return results.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+
+
+def test_a_taken_rendezvous_port_is_one_sentence_naming_the_launchers_flag():
+    """The README's first command when another job holds port 29500: one sentence, not an EADDRINUSE traceback."""
+    message = _in_a_child(_init_on_a_taken_port)
+    assert message.startswith("the rendezvous port ") and "is taken by another process" in message, message
+    assert "deepspeed --master_port N" in message and "\n" not in message
+
+
+def _metrics(path, *keys) -> str:
+    path.write_text("".join(json.dumps({"iteration": i, "loss": 5.0 - i, **{k: 0.5 for k in keys}}) + "\n" for i in range(1, 4)))
+    return str(path)
+
+
+def test_a_mistyped_series_key_is_one_sentence_naming_the_logged_ones(tmp_path, capsys):
+    from hybridlm.training.curves import main
+    run = _metrics(tmp_path / "a.jsonl", "mfu")
+    assert main(["--series", "mfuu", run]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --series mfuu: no run logged a figure of that name (did you mean mfu?); they logged iteration, loss, mfu.\n"
+
+
+def test_plot_without_matplotlib_names_the_install_extra_that_brings_it(tmp_path, capsys, monkeypatch):
+    import re as regex
+
+    from hybridlm.training.curves import main
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert main(["--series", "loss", _metrics(tmp_path / "a.jsonl"), "--plot", str(tmp_path / "p.png")]) == 2
+    extra = regex.search(r"pip install -e '\.\[(\w+)\]'", capsys.readouterr().err).group(1)
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    assert regex.search(rf'"{extra}": \[[^\]]*"matplotlib"', setup), f"setup.py's {extra} extra does not bring matplotlib"
+
+
+def test_recompute_of_a_part_the_model_does_not_have_says_it_does_nothing():
+    from hybridlm.config import parse_args
+    cfg = parse_args(["--recompute-granularity", "selective", "--recompute-modules", "moe", "core_attn"]).validate(1)
+    assert cfg.parallel.recompute_modules == ["core_attn"]
+    assert "--recompute-modules moe does nothing here: the model has no MoE layers (no --num-experts)." in cfg.notes
+
+
+def test_the_replica_check_without_replicas_says_it_is_off_instead_of_that_they_agree():
+    from hybridlm.config import parse_args
+    cfg = parse_args(["--check-weight-hash-across-dp-replicas-interval", "10"]).validate(1)
+    assert cfg.train.check_weight_hash_across_dp_replicas_interval is None
+    assert any(note.startswith("--check-weight-hash-across-dp-replicas-interval is off: DP x CP is 1") for note in cfg.notes)
+    assert parse_args(["--check-weight-hash-across-dp-replicas-interval", "10"]).validate(2).train \
+        .check_weight_hash_across_dp_replicas_interval == 10
+
+
+def test_train_tokenizer_exits_2_on_bad_input_as_every_other_tool(tmp_path, capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_tokenizer", os.path.join(ROOT, "scripts", "train_tokenizer.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--input", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "tok")]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_a_negative_lr_in_scientific_notation_gets_the_flags_own_sentence():
+    from hybridlm.config import ConfigError, parse_args
+    with pytest.raises(ConfigError, match=r"^--lr must not be negative, got -0.001\.$"):
+        parse_args(["--lr", "-1e-3"]).validate(1)

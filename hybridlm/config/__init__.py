@@ -11,7 +11,7 @@ so code, CLI and docs cannot drift.
     run.py       RunConfig and its cross-checks (``validate``), before any process group
     cli.py       flags/YAML -> RunConfig, the effective YAML, the flag table
 """
-from .cli import (build_parser, config_from_dict, effective_yaml, flags_markdown, load_yaml, parse_args,
+from .cli import (build_parser, config_from_dict, effective_yaml, flags_markdown, load_yaml, parse_args, rank_from_env,
                   world_size_from_env)
 from .fields import ConfigError
 from .model import FUSED_OPS, ModelConfig
@@ -20,4 +20,4 @@ from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
 __all__ = ["ConfigError", "DataConfig", "FUSED_OPS", "ModelConfig", "ParallelConfig", "PostTrainConfig", "RunConfig", "TrainConfig",
            "build_parser", "config_from_dict", "effective_yaml", "flags_markdown", "load_yaml", "parse_args",
-           "world_size_from_env"]
+           "rank_from_env", "world_size_from_env"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from typing import Any, Optional, get_type_hints
 
 from ..presets import MODELS, SHAPE_FLAGS
@@ -35,6 +36,12 @@ class OneLineErrors(argparse.ArgumentParser):
     """argparse, but a mistyped flag or value is answered by its one error line and where the flags are
     listed, not by the usage of every flag; and once: each rank of a launch parses the same command
     line before any process group exists, so only the launch's rank 0 (from the environment) says it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # argparse reads "-1e-3" as an option (its negative numbers have no exponent): --lr -1e-3 would end in
+        # "expected one argument" instead of the flag's own check
+        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.?\d+(?:[eE][-+]?\d+)?$")
 
     def error(self, message: str):
         if rank_from_env() != 0:
@@ -142,11 +149,19 @@ def load_yaml(path: str) -> dict:
 
 
 def effective_yaml(cfg: RunConfig) -> str:
-    """The run's settings as a --config file that reproduces it."""
+    """The run's settings as a --config file that reproduces it: every value it used, except those validate
+    resolved from the others (``RunConfig.given_values``: the decay length, the global batch, the iterations of
+    --train-samples), which keep what was given, or are left out when nothing was, so that a run reusing the
+    file derives them again from its own flags."""
     import yaml
     flat = {}
     for section, f, _ in _cli_fields():
-        flat[f.name.replace("_", "-")] = getattr(getattr(cfg, section), f.name)
+        value = getattr(getattr(cfg, section), f.name)
+        if f.name in cfg.given_values:
+            value = cfg.given_values[f.name]
+            if value == f.default:
+                continue
+        flat[f.name.replace("_", "-")] = value
     return yaml.safe_dump(flat, sort_keys=False)
 
 

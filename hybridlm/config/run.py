@@ -5,7 +5,9 @@ sentence on every rank instead of a hang inside a collective.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from . import megatron
@@ -13,6 +15,12 @@ from .fields import ConfigError, refuse_first
 from .model import QUANT_BLOCK, ModelConfig
 from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig
 
+# Settings that ``validate`` fills in from the others when left unset, or turns off for this layout: a saved
+# config.yaml keeps what was given for them (usually nothing), so a run that reuses it resolves them again from
+# its own flags (a longer --train-iters decays over its own length, another world size gets its own global batch).
+RESOLVED_BY_VALIDATE = ("global_batch_size", "train_iters", "lr_decay_iters", "lr_wsd_decay_iters", "lr_wsd_decay_samples",
+                        "sequence_parallel", "partition_activations", "recompute_modules",
+                        "check_weight_hash_across_dp_replicas_interval")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")  # what --recompute-modules can name here
 # Megatron-LM's other modules (output-discarding recompute of norms and activations, MLA, split experts, overlap).
 MEGATRON_ONLY_RECOMPUTE_MODULES = ("moe_act", "mlp_act", "layernorm", "mla_up_proj", "pre_mlp", "shared_experts",
@@ -28,6 +36,7 @@ class RunConfig:
     explicit: frozenset = frozenset()  # flags the user typed (so a JSON value can win over a default)
     notes: list = field(default_factory=list)  # lines for the run log: what a Megatron flag maps to here
     typed: frozenset = None  # the flags given on the command line or in --config, not by a preset (default: explicit)
+    given_values: dict = field(default_factory=dict)  # {name: value before validate} of the RESOLVED_BY_VALIDATE it changed
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -35,6 +44,19 @@ class RunConfig:
 
     def validate(self, world_size: int) -> "RunConfig":
         """Check the layout against the world and fill derived fields. Pure: no process groups."""
+        before = self._derivable_values()
+        self._validate(world_size)
+        for name, value in before.items():
+            if name not in self.given_values and self._derivable_values()[name] != value:
+                self.given_values[name] = value
+        return self
+
+    def _derivable_values(self) -> dict:
+        """The current values of RESOLVED_BY_VALIDATE (copied: validate may replace a list)."""
+        sections = (self.parallel, self.train)
+        return {name: copy.copy(getattr(next(s for s in sections if hasattr(s, name)), name)) for name in RESOLVED_BY_VALIDATE}
+
+    def _validate(self, world_size: int) -> None:
         m, p, t = self.model, self.parallel, self.train
         tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
         cp = p.context_parallel_size
@@ -123,6 +145,10 @@ class RunConfig:
         interval = t.check_weight_hash_across_dp_replicas_interval
         if interval is not None and interval < 1:
             raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval must be at least 1, got {interval}.")
+        if interval is not None and p.data_parallel_size * cp == 1:  # no rank holds a copy of another's weights
+            t.check_weight_hash_across_dp_replicas_interval = None
+            self.notes.append("--check-weight-hash-across-dp-replicas-interval is off: DP x CP is 1, so no two ranks hold "
+                              "the same weights to compare.")
         if t.manual_gc_interval < 0 or (t.manual_gc_interval and not t.manual_gc):
             raise ConfigError(f"--manual-gc-interval {t.manual_gc_interval} needs --manual-gc and must not be negative.")
         if t.exit_signal_handler and not t.save:
@@ -131,7 +157,6 @@ class RunConfig:
         if m.vocab_size is not None:
             m.padded_vocab_size = m.pad_vocab(tp)
         self.notes.extend(line for line in megatron.check(self) if line not in self.notes)
-        return self
 
     def _check_schedule(self) -> None:
         """Megatron-LM's rules (arguments.py, training.py get_optimizer_param_scheduler): a run counts
@@ -178,8 +203,27 @@ class RunConfig:
         warmup, decay, _ = t.schedule_in_samples()
         if warmup >= decay:
             raise ConfigError(self._warmup_too_long(warmup, decay, typed))
+        self._refuse_steps_at_lr_0(decay)
         if t.decoupled_min_lr is not None and t.decoupled_lr is None:
             raise ConfigError("--decoupled-min-lr needs --decoupled-lr.")
+
+    def _refuse_steps_at_lr_0(self, decay: float) -> None:
+        """A decay that reaches --min-lr 0 before the run ends would train its last steps at LR 0 and exit 0 (step i
+        trains at the rate of i x global batch samples): Megatron-LM allows it, but it is never what was meant (a
+        decay length reused from another run's settings, a longer --train-iters)."""
+        t = self.train
+        g = t.global_batch_size
+        zero_steps = t.train_iters - math.ceil(decay / g)
+        if zero_steps <= 0 or t.min_lr > 0 or t.lr == 0 or t.lr_decay_style == "constant":
+            return
+        if t.train_samples is not None:
+            where = f"--lr-decay-samples {t.lr_decay_samples} ends the decay at sample {t.lr_decay_samples} of --train-samples {t.train_samples}"
+            fix = "drop --lr-decay-samples (it defaults to --train-samples), raise it"
+        else:
+            where = f"--lr-decay-iters {t.lr_decay_iters} ends the decay at iteration {t.lr_decay_iters} of --train-iters {t.train_iters}"
+            fix = "drop --lr-decay-iters (it defaults to --train-iters), raise it"
+        raise ConfigError(f"{where} with --min-lr 0: the last {zero_steps} iterations would train at LR 0; {fix}, "
+                          "or give --min-lr above 0.")
 
     def _check_optimizer(self) -> None:
         """What torch's AdamW would refuse with a traceback after the process group exists."""
@@ -385,6 +429,13 @@ class RunConfig:
             raise ConfigError(f"--recompute-modules {unknown[0]}: " + ("Megatron-LM's recompute of that part is not implemented "
                               "here" if later else "unknown module") + f"; hybridlm recomputes {', '.join(RECOMPUTE_MODULES)}.")
         p.recompute_modules = list(dict.fromkeys(p.recompute_modules))
+        m = self.model
+        idle = [("moe", m.num_experts is None, "the model has no MoE layers (no --num-experts)"),
+                ("mlp", m.num_experts is not None and m.moe_layer_freq == 1, "every layer's MLP is an MoE layer (use moe)")]
+        for module, does_nothing, why in idle:
+            if module in p.recompute_modules and does_nothing:
+                p.recompute_modules.remove(module)
+                self.notes.append(f"--recompute-modules {module} does nothing here: {why}.")
 
     def _check_cuda_graphs(self, tp: int, pp: int) -> None:
         """What a captured layer cannot replay, or has not been checked with (one refusal each)."""

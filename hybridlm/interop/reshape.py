@@ -309,6 +309,6 @@ def _log(tag_dir: str, info: CheckpointInfo, here: Layout, step, reset_reason, c
     consumed, iteration = client.get("consumed_samples"), client.get("iteration", 0)
     if consumed is not None and consumed != iteration * global_batch:
         note = (f" Note: {consumed} samples were consumed in {iteration} steps, but --global-batch-size {global_batch} "
-                f"resumes the data at sample {iteration * global_batch}.")
+                f"resumes the data and the LR schedule at sample {iteration * global_batch}.")
     print(f"--load {os.path.dirname(os.path.abspath(tag_dir))}: {tag} saved at {info.layout.describe()}, "
           f"loaded at {here.describe()}; carried: {', '.join(carried)}; reset: {', '.join(reset)}.{note}", flush=True)

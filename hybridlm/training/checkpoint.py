@@ -10,15 +10,20 @@ at another layout (``hybridlm.interop``).
 It becomes the one ``--load`` picks only when complete: DeepSpeed's own ``latest`` file is
 written by rank 0 without waiting for the other ranks, so we pass ``save_latest=False``,
 wait for every rank, and then write ``latest`` under a temporary name and rename it (an
-atomic replace). A job killed mid-save, or a full disk, leaves ``latest`` pointing at the
-previous complete checkpoint; the half-written folder is overwritten by the next save.
+atomic replace). A job killed mid-save leaves ``latest`` pointing at the previous complete
+checkpoint (the half-written folder is overwritten by the next save); a save that fails (a full disk)
+removes its folder and stops the run with one sentence (``checkpoint_io``).
 """
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
 import re
 import shutil
+import time
+import zipfile
 
 import numpy as np
 import torch
@@ -31,6 +36,8 @@ from ..interop.experts import load_expert_weights, save_expert_weights
 from ..interop.layout import Layout, atomic_write_text, read_info, write_info
 from ..interop.lora import quantized_base_of
 from ..interop.reshape import check_loadable, load_resharded, needs_reshape
+from .checkpoint_io import (CheckpointSaveFailed, WriteRecorder, agreed_failure, atomic_torch_save, folder_bytes,
+                            human_bytes)
 
 LATEST = "latest"
 _TAG = re.compile(r"^global_step(\d+)$")
@@ -64,12 +71,6 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     get_accelerator().set_rng_state(state["accelerator"])
     ds_checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def refuse_overwrite(save_dir: str | None, load_dir: str | None) -> None:
@@ -121,7 +122,27 @@ def check_load(load_dir: str | None, step: int | None, cfg) -> None:
         return
     if not os.path.isdir(os.path.join(load_dir, tag)):
         raise ConfigError(f"--load {load_dir}: checkpoint {tag} does not exist.")
+    refuse_damaged(load_dir, tag)
     check_loadable(os.path.join(load_dir, tag), cfg)
+
+
+def refuse_damaged(load_dir: str, tag: str) -> None:
+    """A file of the tag that is not a whole torch archive (a save that was interrupted or ran out of space; the
+    check reads only each file's end) is one sentence before any process group, not a traceback from its loader."""
+    tag_dir = os.path.join(load_dir, tag)
+    for root, _, files in os.walk(tag_dir):
+        for name in sorted(files):
+            if name.endswith(".pt") and not zipfile.is_zipfile(os.path.join(root, name)):
+                raise ConfigError(damaged(load_dir, tag, f"{os.path.relpath(os.path.join(root, name), tag_dir)} is truncated "
+                                                         "or not a checkpoint file"))
+
+
+def damaged(load_dir: str, tag: str, what: str) -> str:
+    """The sentence for a checkpoint that cannot be read, naming the one ``latest`` offers instead."""
+    latest = latest_tag(load_dir)
+    other = f"load 'latest' ({latest}) or another step with --ckpt-step" if latest and latest != tag else \
+        "load another step with --ckpt-step"
+    return f"--load {load_dir}: checkpoint {tag} is damaged: {what} (a save that did not complete?); {other}."
 
 
 def task_state_file(tag_dir: str, rank: int) -> str:
@@ -149,28 +170,66 @@ def save(engine, directory: str, *, iteration: int, client_state: dict, keep_las
     """With ``cfg`` and ``ps`` the tag also gets its layout and settings (read by reshape and the
     converters) and every EP rank's experts (DeepSpeed's files hold EP rank 0's only).
     ``text_files`` {name: text}: more files for the tag (the chat template a fine-tuning run used);
-    ``rank_state``: the task's state of this rank (``task_state_file``), saved before the tag is complete."""
+    ``rank_state``: the task's state of this rank (``task_state_file``), saved before the tag is complete.
+    A write that fails on any rank (full disk, permission, I/O error) ends the save on every rank with
+    ``CheckpointSaveFailed``: its partial folder removed, ``latest`` left at the previous checkpoint."""
     tag = tag_for(iteration)
-    # QLoRA: the frozen parameters are the base's, which the checkpoint names (write_info) instead of storing
-    quantized = cfg is not None and bool(cfg.model.quant_bits)
-    engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False,
-                           exclude_frozen_parameters=quantized)
-    _atomic_torch_save(rng_state(), _rng_file(directory, tag, dist.get_rank()))
-    if rank_state is not None:
-        _atomic_torch_save(rank_state, task_state_file(os.path.join(directory, tag), dist.get_rank()))
-    if cfg is not None:
-        save_expert_weights(engine.module, os.path.join(directory, tag), Layout.of_run(cfg), ps)
-        if dist.get_rank() == 0:
-            write_info(os.path.join(directory, tag), cfg, iteration, expert_files=cfg.model.num_experts is not None)
-    if dist.get_rank() == 0:
-        for name, text in (text_files or {}).items():
-            atomic_write_text(os.path.join(directory, tag, name), text)
-    dist.barrier()  # every rank has written every file of this tag
+    tag_dir = os.path.join(directory, tag)
+    started = time.perf_counter()
+    with WriteRecorder(engine) as writes:
+        _write_tag(engine, writes, directory, tag, iteration, client_state, cfg, ps, text_files, rank_state)
+    failure = agreed_failure(writes, directory)  # every rank has written (or tried) every file of this tag
+    if failure is not None:
+        _give_up(directory, tag, failure)
     if dist.get_rank() == 0:
         atomic_write_text(os.path.join(directory, LATEST), tag)
         if keep_last:
             prune(directory, keep_last)
+        print(f"hybridlm: saved {tag} to {directory} ({human_bytes(folder_bytes(tag_dir))}, "
+              f"{time.perf_counter() - started:.1f} s)", flush=True)
     dist.barrier()
+
+
+def _write_tag(engine, writes: WriteRecorder, directory: str, tag: str, iteration: int, client_state: dict, cfg, ps,
+               text_files: dict | None, rank_state: dict | None) -> None:
+    """Every file of this rank in the tag folder, each write through ``writes`` (so a failure is recorded, not raised)."""
+    tag_dir = os.path.join(directory, tag)
+    # QLoRA: the frozen parameters are the base's, which the checkpoint names (write_info) instead of storing
+    quantized = cfg is not None and bool(cfg.model.quant_bits)
+    engine.save_checkpoint(directory, tag=tag, client_state={**client_state, "iteration": iteration}, save_latest=False,
+                           exclude_frozen_parameters=quantized)
+    rank = dist.get_rank()
+    writes.attempt(_rng_file(directory, tag, rank), atomic_torch_save, rng_state(), _rng_file(directory, tag, rank))
+    if rank_state is not None:
+        path = task_state_file(tag_dir, rank)
+        writes.attempt(path, atomic_torch_save, rank_state, path)
+    if cfg is not None:
+        writes.attempt(tag_dir, save_expert_weights, engine.module, tag_dir, Layout.of_run(cfg), ps)
+        if rank == 0:
+            writes.attempt(tag_dir, write_info, tag_dir, cfg, iteration, expert_files=cfg.model.num_experts is not None)
+    if rank == 0:
+        for name, text in (text_files or {}).items():
+            writes.attempt(os.path.join(tag_dir, name), atomic_write_text, os.path.join(tag_dir, name), text)
+
+
+def _give_up(directory: str, tag: str, failure: str) -> None:
+    """After a failed save (every rank done with it): remove its partial folder, unless ``latest`` names it (a save
+    at the latest step again), and raise the one sentence on every rank."""
+    previous = latest_tag(directory)
+    if dist.get_rank() == 0 and previous != tag:
+        shutil.rmtree(os.path.join(directory, tag), ignore_errors=True)
+    dist.barrier()
+    kept = f"'{LATEST}' still names {previous}" if previous else "no checkpoint was saved before it"
+    raise CheckpointSaveFailed(f"saving {tag} to --save {directory} failed, {failure}; removed the partial {tag}, {kept}; "
+                               f"free space or fix the directory, then resume with --load {directory}.")
+
+
+def write_run_files(directory: str, cfg, ds_config: dict) -> None:
+    """The run's settings (a --config file that reproduces it) and the DeepSpeed JSON it used, in --save."""
+    from ..config import effective_yaml
+    os.makedirs(directory, exist_ok=True)
+    atomic_write_text(os.path.join(directory, "config.yaml"), effective_yaml(cfg))
+    atomic_write_text(os.path.join(directory, "ds_config.json"), json.dumps(ds_config, indent=2))
 
 
 def prune(directory: str, keep_last: int) -> list[str]:
@@ -205,8 +264,13 @@ def load(engine, directory: str, step: int | None, cfg=None, ps=None) -> dict | 
         if keep_rng:
             set_rng_state(torch.load(rng_path, weights_only=False))
         return client_state
-    with torch.no_grad():  # a pipeline's load broadcasts the tied embedding again (hybridlm.model.specs.build_model)
-        path, client_state = engine.load_checkpoint(directory, tag=tag)
+    try:
+        with torch.no_grad():  # a pipeline's load broadcasts the tied embedding again (hybridlm.model.specs.build_model)
+            path, client_state = engine.load_checkpoint(directory, tag=tag)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, FileNotFoundError) as e:
+        if isinstance(e, RuntimeError) and "PytorchStreamReader" not in str(e):
+            raise
+        raise ConfigError(damaged(directory, tag, str(e).splitlines()[0][:200])) from None
     if path is None:
         raise ConfigError(f"--load {directory}: DeepSpeed could not read checkpoint {tag}.")
     if cfg is not None:

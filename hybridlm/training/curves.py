@@ -143,6 +143,19 @@ def load_series(path: str, names: list[str], skip: int = 0) -> dict[str, list[tu
     return series
 
 
+def refuse_unlogged(paths: list[str], names: list[str]) -> None:
+    """A figure no run ever logged (a mistyped name) is one sentence naming those they did log, not an empty row."""
+    logged = {key for path in paths for record in read_metrics(path) for key, value in record.items()
+              if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    unknown = [name for name in names if name not in logged]
+    if unknown:
+        import difflib
+        near = difflib.get_close_matches(unknown[0], sorted(logged), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise CurveError(f"--series {unknown[0]}: no run logged a figure of that name{hint}; they logged "
+                         f"{', '.join(sorted(logged))}.")
+
+
 def _number(name: str, value: float) -> str:
     share = name == "mfu" or name.endswith("_share") or name.endswith("utilization")
     return f"{100 * value:.1f}%" if share else f"{value:,.4g}"
@@ -152,6 +165,7 @@ def show_series(paths: list[str], names: list[str], *, skip: int = 0, plot_path:
     """Print, per figure, each run's count, first, median and last value after ``skip``; draw them if asked."""
     if not names:
         raise CurveError("--series names no figure; give a comma list such as mfu,exposed_comm_share.")
+    refuse_unlogged(paths, names)
     runs = {path: load_series(path, names, skip) for path in paths}
     width = max(len(p) for p in paths) + 2
     for name in names:
@@ -175,7 +189,7 @@ def plot_series(runs: dict[str, dict], names: list[str], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CurveError("--plot needs matplotlib (pip install matplotlib).") from None
+        raise CurveError("--plot needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib).") from None
     figure, axes = plt.subplots(len(names), 1, figsize=(8, 2.4 * len(names)), sharex=True, squeeze=False)
     for axis, name in zip(axes[:, 0], names):
         for label, series in runs.items():

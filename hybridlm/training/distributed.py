@@ -9,6 +9,8 @@ import deepspeed
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator
 
+from ..config import ConfigError
+
 
 def on_gpu() -> bool:
     return get_accelerator().device_name() == "cuda"
@@ -48,8 +50,15 @@ def init_distributed(timeout_minutes: float) -> None:
         # deepspeed.ops.__compatible_ops__ would first probe every op (a C compile for async_io, ~1 s a
         # process); the shm check is its only reader in a training process and defaults to False.
         vars(deepspeed.ops).setdefault("__compatible_ops__", {})["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo",
-                               timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False)
+    try:
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo",
+                                   timeout=datetime.timedelta(minutes=timeout_minutes), verbose=False)
+    except RuntimeError as e:
+        if "EADDRINUSE" not in str(e) and "ddress already in use" not in str(e):
+            raise
+        raise ConfigError(f"the rendezvous port {os.environ.get('MASTER_PORT')} on {os.environ.get('MASTER_ADDR')} is taken by "
+                          "another process (another job?): give the launcher a free one (deepspeed --master_port N, torchrun "
+                          "--master-port N; python scripts/pretrain.py picks one itself).") from None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if on_gpu():
         get_accelerator().set_device(local_rank)

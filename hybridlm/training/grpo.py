@@ -22,18 +22,20 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config import ConfigError
 from ..data.prompts import completion_text
 from ..data.samples import context_slice, to_device, with_positions
 from ..parallel.tensor_parallel import IGNORE_INDEX
 from .distributed import device, on_gpu
 from .losses import GRPO_METRICS, grpo_weights
-from .rewards import RewardError
+from .rewards import RewardError, score
 from .step import run_step
 
 ROW_ALIGNMENT = 8  # rows are padded to a multiple of this (and of what CP and SP need): fewer distinct shapes
@@ -159,6 +161,60 @@ def shared_rewards(run, compute, functions: int) -> np.ndarray:
         raise RewardError("a reward function failed on the first rank of this data-parallel replica (its error is in that "
                           "rank's output).")
     return shared[:, :functions].cpu().numpy()
+
+
+def dry_run_rewards(functions, tokenizer, stops, prompt_set, generations: int) -> None:
+    """Call each reward function once at start-up (before any process group or model exists) on ``generations``
+    made-up completions of the first prompt (its first 1, 2, ... tokens), so that one returning the wrong count or
+    type, or not accepting the calling convention, stops the run in one sentence instead of after the model loads."""
+    prompts = [prompt_set.prompt(0)] * generations
+    made_up = SimpleNamespace(tokens=[list(prompts[0].ids[: i + 1]) for i in range(generations)])
+    inputs = reward_inputs(tokenizer, stops, prompt_set, prompts, made_up)
+    where = f"called at start-up on {generations} made-up completions of the first prompt"
+    for function in functions:
+        try:
+            score([function], **inputs)
+        except RewardError as e:
+            raise ConfigError(f"--reward-funcs: {str(e).rstrip('.')} ({where}).") from None
+        except Exception as e:  # noqa: BLE001 - the user's code: name it and what it raised
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise ConfigError(f"--reward-funcs: reward function {function.name} raised {type(e).__name__}: {first} ({where}; "
+                              "it is called with keyword arguments prompts, completions, completion_ids and the prompt "
+                              "file's columns, and should take **kwargs).") from None
+
+
+def signal_counts(weighted: np.ndarray, advantages: np.ndarray, truncated, mask_truncated: bool) -> list[int]:
+    """What a replica's rollout gives the loss: [completions, scored by some function, trained (not masked as
+    truncated), trained with a non-zero advantage]."""
+    trained = ~(np.asarray(truncated, dtype=bool) & mask_truncated)
+    return [len(weighted), int((~np.isnan(weighted)).sum()), int(trained.sum()), int((trained & (advantages != 0)).sum())]
+
+
+def no_signal_reason(counts) -> Optional[str]:
+    """Why a rollout batch (``signal_counts`` summed over DP) teaches the policy nothing, or None when it does."""
+    completions, scored, trained, moving = counts
+    if moving:
+        return None
+    if not trained:
+        return f"all {completions} completions were truncated and --mask-truncated-completions leaves none to train on"
+    if not scored:
+        return f"no reward function scored any of the {completions} completions (every reward None or NaN)"
+    return "every group's completions got equal rewards, so every advantage is 0"
+
+
+def warn_if_no_signal(run, counts: list, warned: set) -> None:
+    """Rank 0 says once per reason when a rollout batch (all DP replicas') carries no learning signal: its steps log
+    loss 0 and gradient norm 0 (apart from the KL term), which would otherwise look like a normal run."""
+    total = torch.tensor(counts, dtype=torch.float64, device=device())
+    if run.ps.dp.size > 1:
+        dist.all_reduce(total, group=run.ps.dp.group)
+    reason = no_signal_reason([int(v) for v in total.tolist()])
+    if reason is None or reason in warned:
+        return
+    warned.add(reason)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"grpo: warning: the rollout batch of iteration {run.iteration + 1} carries no learning signal: {reason}; "
+              "its steps change nothing through the rewards (said once).", flush=True)
 
 
 def moved(batch: Optional[RolloutBatch], where) -> Optional[RolloutBatch]:

@@ -194,7 +194,31 @@ class WarmupDecayLR:
     def state_dict(self) -> dict:
         return {"num_steps": self.num_steps, "last_step": self.num_steps // max(self.increment, 1)}
 
+    def continue_at(self, iteration: int, skipped: int = 0) -> str | None:
+        """After a resume: put the clock at ``iteration`` of this run's schedule (less the ``skipped`` steps, which
+        never moved it) and set that rate now. A checkpoint's clock counts the samples of the run that saved it, and
+        the optimizer state loaded after it restores that run's rate; with another --train-iters or
+        --global-batch-size either would train at the old schedule's rate (or past the new one's end, at LR 0).
+        Returns a line for the log when that moved the rate or the clock."""
+        saved_samples, saved_lr = self.num_steps, self.optimizer.param_groups[0]["lr"]
+        self.num_steps = max(iteration - skipped, 0) * self.increment
+        self._apply()
+        lr = self.optimizer.param_groups[0]["lr"]
+        if saved_samples == self.num_steps and math.isclose(saved_lr, lr, rel_tol=1e-9, abs_tol=0.0):
+            return None
+        return (f"the LR schedule continues at iteration {iteration} of this run's schedule (lr {lr:.3e}, sample {self.num_steps}), "
+                f"not where the checkpoint's left off (lr {saved_lr:.3e}, sample {saved_samples})")
+
     def load_state_dict(self, state: dict) -> None:
         # checkpoints written before the schedule counted samples hold only the step count
         self.num_steps = state["num_steps"] if "num_steps" in state else state["last_step"] * self.increment
         self._apply()
+
+
+def continue_schedule(schedule, iteration: int, *, skipped: int, load_optim: bool) -> str | None:
+    """After a resume the run trains with its own schedule's rate at the iteration it resumes from, at any layout
+    and whatever changed since the save (``WarmupDecayLR.continue_at``); returns the line saying so when that
+    differs. A scheduler from the DeepSpeed JSON keeps its own state; --no-load-optim starts the schedule afresh."""
+    if not isinstance(schedule, WarmupDecayLR) or not load_optim:
+        return None
+    return schedule.continue_at(iteration, skipped)

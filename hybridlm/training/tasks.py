@@ -44,8 +44,9 @@ from ..parallel.loss import global_counts, loss_scales
 from ..parallel.tensor_parallel import IGNORE_INDEX
 from .checkpoint import tag_to_load, task_state_file
 from .distributed import device
-from .grpo import (RolloutBatch, RolloutRows, RolloutStats, advantages_of, build_micro_batches, metric_values, moved,
-                   record_logps, reward_inputs, shared_rewards, synchronize, with_logps)
+from .grpo import (RolloutBatch, RolloutRows, RolloutStats, advantages_of, build_micro_batches, dry_run_rewards, metric_values,
+                   moved, record_logps, reward_inputs, shared_rewards, signal_counts, synchronize, warn_if_no_signal,
+                   with_logps)
 from .losses import DPO_METRICS, DPOLoss, GRPOLoss, MaskedLMLoss
 from .reference import load_weights
 from .rewards import load_reward_functions, score
@@ -298,6 +299,7 @@ class GRPOTask(PretrainTask):
         self.grpo_loss = self.sampler = self.batch = self.stats = None
         self.frozen = None  # the starting weights (--beta > 0 without LoRA)
         self.reference_tag = None  # the checkpoint folder they are
+        self.warned: set = set()  # the reasons a rollout batch carried no signal, said once each
 
     def _setup(self) -> None:
         """Tokenizer, chat template, reward functions and prompts: files only, before any process group."""
@@ -312,6 +314,7 @@ class GRPOTask(PretrainTask):
                                  max_tokens=room, required_columns={"solution": "accuracy"} if "accuracy" in f.reward_funcs else {},
                                  limit_reason=f"--seq-length {m.seq_length} leaves beside --max-completion-length {f.max_completion_length}")
         self.stops = stop_tokens(self.tokenizer, self.template)
+        dry_run_rewards(self.rewards, self.tokenizer, self.stops, self.prompts, f.num_generations)
 
     def _template(self):
         """The chat template the --load checkpoint was fine-tuned with, else its tokenizer's (None: none)."""
@@ -423,6 +426,8 @@ class GRPOTask(PretrainTask):
                                                                                    prompts, completions)), len(self.rewards))
         weights = np.asarray(f.reward_weights or [1.0] * len(self.rewards), dtype=np.float64)
         advantages, weighted = advantages_of(rewards, weights, g, f.scale_rewards, ps.dp)
+        warn_if_no_signal(run, signal_counts(weighted, advantages, completions.truncated, f.mask_truncated_completions),
+                          self.warned)
         self.stats.add(completions, rewards, weighted)
         self.stats.rollout_seconds += synchronize() - start
         return self.use_rollout(run, RolloutRows([list(p.ids) for p in prompts], completions.tokens, completions.truncated,

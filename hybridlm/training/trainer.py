@@ -5,8 +5,8 @@ each part made from the ones before it), then the loop.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, RunConfig, effective_yaml, parse_args, world_size_from_env
+from ..config import ConfigError, RunConfig, parse_args, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
@@ -46,10 +46,12 @@ from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .monitor import Monitor, check_config as check_monitor_config
 from .moe_metrics import collect_moe_stats, tracker_metrics
-from .optim import WarmupDecayLR, build_optimizer
-from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Preempted
+from .optim import WarmupDecayLR, build_optimizer, continue_schedule
+from .checkpoint_io import CheckpointSaveFailed
+from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Interrupted, Preempted
 from .profiling import StepProfiler
 from .replicas import ReplicaCheck, ReplicasDiverged
+from .save_lock import SaveLock
 from .step import release_cached_memory, run_step
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
@@ -121,6 +123,9 @@ def check_model_impl(cfg: RunConfig) -> str:
             raise ConfigError("--fp8-format cannot be combined with --recompute-granularity yet: recomputing an FP8 "
                               "layer needs Transformer Engine's own checkpointing to replay its scaling state.")
     return line
+
+
+SAVE_FAILED_EXIT_CODE = 74  # sysexits.h EX_IOERR: the run stopped because a checkpoint could not be written
 
 
 class TrainingStopped(RuntimeError):
@@ -244,6 +249,10 @@ def resume(run: Run) -> None:
         else:
             run.iteration = client_state["iteration"]
             run.wandb_run_id = client_state.get("wandb_run_id")
+            line = continue_schedule(run.engine.lr_scheduler, run.iteration, skipped=run.engine.skipped_steps,
+                                     load_optim=t.load_optim)
+            if line and dist.get_rank() == 0:
+                print(f"hybridlm: --load {t.load}: {line}.", flush=True)
     run.task.loaded(run)
 
 
@@ -339,20 +348,22 @@ def save_checkpoint(run: Run) -> None:
                     rank_state=run.task.rank_state())
 
 
-def write_run_files(directory: str, cfg: RunConfig, ds_config: dict) -> None:
-    """The effective settings (a --config file that reproduces the run) and the DeepSpeed JSON used."""
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "config.yaml"), "w") as f:
-        f.write(effective_yaml(cfg))
-    with open(os.path.join(directory, "ds_config.json"), "w") as f:
-        json.dump(ds_config, f, indent=2)
-
-
 def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     """The whole job (any --task). Returns the logged records (for tests and benchmarks)."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
     cfg, ds_config = prepare_config(parse(argv))
+    lock = SaveLock.for_run(cfg)
     early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
+    try:
+        return train(cfg, ds_config, early_exit)
+    finally:  # whatever ended the run: the signal dispositions it found, and --save free for the next run
+        early_exit.restore()
+        if lock is not None:
+            lock.release()
+
+
+def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit) -> list[dict]:
+    """The job after validation: set-up, the loop, the final save."""
     run = build_run(cfg, ds_config)
     t = cfg.train
     rank0 = dist.get_rank() == 0
@@ -380,7 +391,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
         if cfg.model.lora_rank:
             print(f"hybridlm: {describe_adapters(run.engine.module, cfg.model)}", flush=True)
     if t.save and rank0:
-        write_run_files(t.save, cfg, ds_config)
+        checkpoint.write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
                               wandb_dir=t.wandb_dir or t.save, tensorboard_dir=t.tensorboard_dir,
                               config=cfg.to_dict(), wandb_resume_id=run.wandb_run_id)
@@ -442,6 +453,7 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
         stop = early_exit.reason(run.iteration, device()) if run.iteration < t.train_iters else None
         if stop:
             break  # every rank saves below, at the same iteration
+    early_exit.saving()  # a stop signal from here on waits for this save
     if t.save and checkpoint.latest_tag(t.save) != checkpoint.tag_for(run.iteration):
         save_checkpoint(run)
     profiler.close()
@@ -450,6 +462,10 @@ def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     close_all(trackers)
     log.close()
     early_exit.restore()
+    if run.iteration < t.train_iters and early_exit.stopped_by:
+        raise Interrupted(f"{early_exit.stopped_by} received: saved {checkpoint.tag_for(run.iteration)} to {t.save} and stopped at "
+                          f"iteration {run.iteration} of {t.train_iters}; continue with --load {t.save}",
+                          signal.Signals[early_exit.stopped_by])
     if run.iteration < t.train_iters and stop == "signal":
         raise Preempted(f"{t.exit_signal} received: saved {checkpoint.tag_for(run.iteration)} in {t.save} and stopped "
                         f"at iteration {run.iteration} of {t.train_iters}")
@@ -465,13 +481,17 @@ def main(argv: Optional[list[str]] = None, parse=parse_args) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     try:
         pretrain(argv, parse)
-    except (ConfigError, TrainingStopped, ReplicasDiverged) as e:
+    except (ConfigError, TrainingStopped, ReplicasDiverged, CheckpointSaveFailed) as e:
         print(f"error: {e}", flush=True, file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 3
+        return 2 if isinstance(e, ConfigError) else SAVE_FAILED_EXIT_CODE if isinstance(e, CheckpointSaveFailed) else 3
     except Preempted as e:
         if dist.get_rank() == 0:
             print(f"hybridlm: {e}; exit code {REQUEUE_EXIT_CODE} asks for a requeue", flush=True)
         code = REQUEUE_EXIT_CODE
+    except Interrupted as e:
+        if dist.get_rank() == 0:
+            print(f"hybridlm: {e}.", flush=True)
+        code = e.exit_code
     else:
         code = 0
     if dist.is_initialized():
