@@ -159,16 +159,28 @@ def _launch_and_interrupt(argv: list[str], metrics, timeout: float = 240):
         _kill_session(proc.pid)
 
 
-@pytest.mark.slow
-def test_ctrl_c_under_the_deepspeed_launcher_saves_the_step_in_flight(tmp_path):
-    """The issue's case: Ctrl-C reaches the ``deepspeed`` launcher and both ranks, and the launcher then terminates the
-    ranks one by one (SIGTERM, SIGKILL after 30 s): the ranks still save before they exit, and say so."""
+def _launcher(name: str) -> list[str]:
+    """The command that starts two CPU ranks under a launcher (the deepspeed launcher on a fresh port each time)."""
     from harness import free_port
+    if name == "deepspeed":
+        return [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--master_port", str(free_port()), "--num_gpus", "2"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_ctrl_c_under_a_launcher_saves_the_step_in_flight(tmp_path, launcher):
+    """The issue's case: Ctrl-C reaches the launcher and both ranks, and the launcher then passes the signal on or
+    terminates the ranks (the deepspeed launcher: SIGTERM, SIGKILL after 30 s; torchrun: the signal again, SIGKILL
+    after 30 s): the ranks still save before they exit, and say so."""
     run_dir, metrics = tmp_path / "run", tmp_path / "metrics.jsonl"
     flags = TINY + ds_config("zero1") + ["--train-iters", "200", "--log-interval", "1", "--save", str(run_dir),
                                          "--metrics-file", str(metrics)]
-    _, output = _launch_and_interrupt([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--master_port",
-                                       str(free_port()), "--num_gpus", "2", "scripts/pretrain.py", *flags], metrics)
+    for _ in range(3):  # the deepspeed launcher's port can be taken between free_port() and its bind: a fresh one
+        _, output = _launch_and_interrupt(_launcher(launcher) + ["scripts/pretrain.py", *flags], metrics)
+        if "EADDRINUSE" not in output and "Address already in use" not in output:
+            break
+        metrics.unlink(missing_ok=True)
     latest = (run_dir / "latest").read_text()
     logged = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
     assert latest == f"global_step{logged[-1]}", output
