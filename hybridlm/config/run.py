@@ -46,8 +46,9 @@ class RunConfig:
         """Check the layout against the world and fill derived fields. Pure: no process groups."""
         before = self._derivable_values()
         self._validate(world_size)
+        after = self._derivable_values()
         for name, value in before.items():
-            if name not in self.given_values and self._derivable_values()[name] != value:
+            if name not in self.given_values and after[name] != value:
                 self.given_values[name] = value
         return self
 
