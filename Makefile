@@ -40,8 +40,12 @@ test-system-packages:
 		else echo "note: not installed:" $$missing "(their tests skip)"; fi; \
 	fi
 
+# Two pytest-xdist workers, a test file each at a time (a file's module fixtures built once): the suite left one of
+# CI's two cores idle about half the time (launches, imports, single-process tests); multi-rank tests share both.
+PYTEST_WORKERS ?= 2
+
 test: venv test-system-packages
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest --durations=25
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: venv test-system-packages
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not slow"

@@ -23,7 +23,7 @@ setup(
         "jinja2>=3.1.6",  # chat templates (preprocess_chat); the sandbox fixes of 3.1.6, as transformers requires
     ],
     extras_require={
-        "dev": ["pytest", "transformers", "wandb", "tensorboard", "mpi4py", "math-verify", "peft", "bitsandbytes>=0.50"],
+        "dev": ["pytest", "pytest-xdist", "transformers", "wandb", "tensorboard", "mpi4py", "math-verify", "peft", "bitsandbytes>=0.50"],
         "post": ["math-verify"],  # GRPO's accuracy reward (--reward-funcs accuracy)
         "qlora": ["bitsandbytes>=0.50"],  # --quant-bits 4 (0.50.2 tested; its 4-bit kernels run on CPU too)
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "nvidia-ml-py"],  # nvidia-ml-py: NVML utilisation in the monitor

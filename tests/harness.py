@@ -45,8 +45,12 @@ def retry_on_port_clash(launch: Callable[[], subprocess.CompletedProcess], attem
 def run_command(argv: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` for a command that may start processes of its own (a launcher and its ranks, a worker pool):
     it runs in a session of its own, and every process of that session is killed when it returns or times out, so
-    no rank of this test outlives it to load the next test's machine or hold its ports."""
+    no rank of this test outlives it to load the next test's machine or hold its ports; it starts its own wandb
+    service, never one this process holds."""
     kwargs.setdefault("text", True)
+    # A wandb run in this process (another test's) leaves WANDB_SERVICE in os.environ: a launched job would log
+    # through that service, which resolves the job's relative paths against this process's folder (the checkout).
+    kwargs["env"] = {k: v for k, v in (kwargs.get("env") or os.environ).items() if k != "WANDB_SERVICE"}
     check = kwargs.pop("check", False)
     pipe = subprocess.PIPE if kwargs.pop("capture_output", True) else None
     with subprocess.Popen(argv, start_new_session=True, stdout=pipe, stderr=pipe, **kwargs) as proc:

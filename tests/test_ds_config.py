@@ -70,3 +70,33 @@ def test_fp32_gradients_at_ep2_x_dp2_in_bf16_follow_one_process_to_bf16_rounding
     for key in ("losses", "grad_norms"):
         for step, (want, got) in enumerate(zip(single[key], split[key]), start=1):
             assert abs(got - want) <= 2e-2 * abs(want), f"step {step} {key[:-1]}: EP2 x DP2 {got}, one process {want}"
+
+
+def _muon_modules_seen_by_deepspeed(json_optimizers: list) -> list:
+    """In a fresh rank without DeepSpeed's Muon modules: after ``_answer_muon_checks`` for each JSON optimizer in
+    turn, what DeepSpeed's own imports get (torch AdamW is a MuonWithAuxAdam? muon_update's module?)."""
+    import sys
+
+    import torch
+
+    from hybridlm.training import trainer
+    for name in (trainer._DEEPSPEED_MUON, trainer._DEEPSPEED_MUON_KERNELS):
+        sys.modules.pop(name, None)
+    seen = []
+    for optimizer in json_optimizers:
+        trainer._answer_muon_checks({"optimizer": optimizer} if optimizer else {})
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+        from deepspeed.runtime.zero.muon.original_muon import muon_update
+        adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+        seen.append((MuonWithAuxAdam.__module__, isinstance(adamw, MuonWithAuxAdam), muon_update.__module__))
+    return seen
+
+
+def test_deepspeeds_muon_modules_are_imported_only_for_a_json_that_names_muon():
+    # Importing them costs every rank ~3 s (their top-level torch.compile imports Inductor). Without Muon, DeepSpeed's
+    # isinstance checks get a class no optimizer is an instance of, and muon_update loads the real one if ever called.
+    from harness import run_ranks
+    [seen] = run_ranks(1, _muon_modules_seen_by_deepspeed, [None, {"type": "AdamW"}, {"type": "Muon"}])
+    stand_in = ("hybridlm.training.trainer", False, "hybridlm.training.trainer")
+    real = ("deepspeed.runtime.zero.muon.muon_optimizer", False, "deepspeed.runtime.zero.muon.original_muon")
+    assert seen == [stand_in, stand_in, real]

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from deepspeed_ops import load_nvme_ops
 from harness import run_ranks
 from oracle import TINY, ds_config
 
@@ -34,6 +35,7 @@ def test_zero3_with_nvme_offload_swaps_to_disk_and_trains(tmp_path):
     # Partitions under 1 MiB are kept in memory by DeepSpeed, so the model is wide enough to swap.
     wide = ["--hidden-size", "512", "--num-layers", "2", "--ffn-hidden-size", "1536", "--num-attention-heads", "8",
             "--num-query-groups", "8", "--lr", "1e-3"]
+    load_nvme_ops()  # DeepSpeed's async_io op, built as one unit (deepspeed_ops.py), found there by the forked ranks
     result = run_ranks(2, _train, TINY + STEPS + wide + ["--nvme-path", str(tmp_path)] + ds_config("zero3_offload_nvme"),
                        str(tmp_path), timeout=900)[0]
     assert result["losses"][-1] < result["losses"][0]

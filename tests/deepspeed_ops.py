@@ -1,0 +1,130 @@
+"""DeepSpeed's NVMe ops (async_io, and the pin_memory op it links against), built for the tests in a fraction of the
+CPU time that DeepSpeed's own op builder takes, and loaded where DeepSpeed looks for them.
+
+DeepSpeed's builder compiles each C++ file of an op on its own, and eleven of them parse torch/extension.h: about
+28 s of CPU each on CI's cores, five to six minutes for the two ops, the largest single cost of a cold CPU suite.
+Here the same sources, with the same builder's flags and libraries, are compiled as one translation unit per op for
+the files that include torch's headers (the files that do not are compiled on their own, as DeepSpeed does: they
+share file-local names). The modules are then registered under DeepSpeed's op names, so ZeRO-Infinity's own
+``AsyncIOBuilder().load()`` returns them, in this process and in the ranks forked from it. Nothing of DeepSpeed's
+is changed on disk: its sources are copied, and each copied header is given the include guard (``#pragma once``)
+that a single translation unit needs (DeepSpeed's headers have none).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+_HEADER_GUARD = "#pragma once\n"
+_INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+def _write_if_changed(path: str, text: str) -> None:
+    """Write only a changed file: ninja rebuilds what is newer than its output."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    except FileNotFoundError:
+        pass
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _one_unit_builder(base):
+    """A subclass of DeepSpeed's builder ``base`` that builds ``base``'s sources as described above, under the name
+    ``<name>_unity`` (its own folder in TORCH_EXTENSIONS_DIR, never DeepSpeed's build of the op)."""
+
+    class OneUnit(base):
+        NAME = base.NAME + "_unity"
+
+        def _copy_dir(self) -> str:
+            import deepspeed
+            return os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/torch_extensions")),
+                                "deepspeed_sources", deepspeed.__version__, base.NAME)
+
+        def include_paths(self):
+            return [os.path.join(self._copy_dir(), path) for path in super().include_paths()]
+
+        def sources(self):
+            copy_dir = self._copy_dir()
+            src = [self.deepspeed_src_path(path) for path in super().sources()]
+            dirs = sorted({os.path.dirname(path) for path in src} | {self.deepspeed_src_path(p) for p in super().include_paths()})
+            root = os.path.dirname(self.deepspeed_src_path("csrc"))  # the copies keep DeepSpeed's layout below it
+            for folder in dirs:  # every file of the op's folders, headers guarded
+                for name in os.listdir(folder):
+                    if name.endswith((".h", ".hpp", ".cpp")):
+                        with open(os.path.join(folder, name), encoding="utf-8") as f:
+                            text = f.read()
+                        guard = _HEADER_GUARD if name.endswith((".h", ".hpp")) and "#pragma once" not in text else ""
+                        _write_if_changed(os.path.join(copy_dir, os.path.relpath(folder, root), name), guard + text)
+            copies = [os.path.join(copy_dir, os.path.relpath(path, root)) for path in src]
+            with_torch = [path for path in copies if self._includes_torch(path, set())]
+            unity = os.path.join(copy_dir, f"{self.NAME}.cpp")
+            _write_if_changed(unity, "".join(f'#include "{path}"\n' for path in with_torch))
+            return [unity] + [path for path in copies if path not in with_torch]
+
+        def _includes_torch(self, path: str, seen: set) -> bool:
+            """Whether ``path`` includes a torch header, itself or through a header of the op's folders."""
+            seen.add(path)
+            with open(path, encoding="utf-8") as f:
+                names = _INCLUDE.findall(f.read())
+            for name in names:
+                if name.startswith("torch/"):
+                    return True
+                for folder in [os.path.dirname(path)] + self.include_paths():
+                    header = os.path.join(folder, name)
+                    if os.path.isfile(header):
+                        if header not in seen and self._includes_torch(header, seen):
+                            return True
+                        break
+            return False
+
+        def load(self, verbose=False):
+            return self.jit_load(verbose)
+
+    OneUnit.__name__ = OneUnit.__qualname__ = f"OneUnit{base.__name__}"
+    return OneUnit
+
+
+def load_nvme_ops(verbose: bool = False):
+    """Build (once: cached in TORCH_EXTENSIONS_DIR) and load async_io and pin_memory as one unit each; register them
+    as DeepSpeed's ``async_io`` and ``pin_memory`` ops in this process. Returns the async_io module."""
+    import ctypes
+
+    from deepspeed.ops import op_builder
+    from deepspeed.ops.op_builder.builder import OpBuilder
+    pin = _one_unit_builder(op_builder.PinMemoryBuilder)().load(verbose)
+    # as DeepSpeed's pin_memory loader does: async_io resolves the pin manager's symbols from this library
+    ctypes.CDLL(pin.__file__, mode=ctypes.RTLD_GLOBAL)
+    OpBuilder._loaded_ops[op_builder.PinMemoryBuilder.NAME] = pin
+    aio = _one_unit_builder(op_builder.AsyncIOBuilder)().load(verbose)
+    OpBuilder._loaded_ops[op_builder.AsyncIOBuilder.NAME] = aio
+    return aio
+
+
+def load(builder_name: str):
+    """Load DeepSpeed's op ``builder_name`` (``"AsyncIOBuilder"``) as the tests do: the NVMe ops as above, any
+    other through DeepSpeed's own builder; ``"hybridlm"``: the project's fused CPU ops, through its own build."""
+    if builder_name == "hybridlm":
+        from hybridlm.config import FUSED_OPS
+        from hybridlm.ops import select_kernels
+        return select_kernels(FUSED_OPS, require=False, device="cpu", log=lambda _: None)
+    if builder_name == "AsyncIOBuilder":
+        return load_nvme_ops()
+    from deepspeed.ops import op_builder
+    builder = getattr(op_builder, builder_name)()
+    return builder.load(verbose=False) if builder.is_compatible(False) else None
+
+
+if __name__ == "__main__":  # python tests/deepspeed_ops.py AsyncIOBuilder hybridlm: the builds conftest.py starts
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name in sys.argv[1:]:
+        try:
+            load(name)
+        except Exception:  # noqa: BLE001 - the test that loads the op reports its failure
+            pass
