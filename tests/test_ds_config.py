@@ -73,18 +73,18 @@ def test_fp32_gradients_at_ep2_x_dp2_in_bf16_follow_one_process_to_bf16_rounding
 
 
 def _muon_modules_seen_by_deepspeed(json_optimizers: list) -> list:
-    """In a fresh rank without DeepSpeed's Muon modules: after ``_answer_muon_checks`` for each JSON optimizer in
+    """In a fresh rank without DeepSpeed's Muon modules: after ``answer_muon_checks`` for each JSON optimizer in
     turn, what DeepSpeed's own imports get (torch AdamW is a MuonWithAuxAdam? muon_update's module?)."""
     import sys
 
     import torch
 
-    from hybridlm.training import trainer
-    for name in (trainer._DEEPSPEED_MUON, trainer._DEEPSPEED_MUON_KERNELS):
+    from hybridlm.training import deepspeed_muon
+    for name in (deepspeed_muon._DEEPSPEED_MUON, deepspeed_muon._DEEPSPEED_MUON_KERNELS):
         sys.modules.pop(name, None)
     seen = []
     for optimizer in json_optimizers:
-        trainer._answer_muon_checks({"optimizer": optimizer} if optimizer else {})
+        deepspeed_muon.answer_muon_checks({"optimizer": optimizer} if optimizer else {})
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
         from deepspeed.runtime.zero.muon.original_muon import muon_update
         adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
@@ -97,6 +97,6 @@ def test_deepspeeds_muon_modules_are_imported_only_for_a_json_that_names_muon():
     # isinstance checks get a class no optimizer is an instance of, and muon_update loads the real one if ever called.
     from harness import run_ranks
     [seen] = run_ranks(1, _muon_modules_seen_by_deepspeed, [None, {"type": "AdamW"}, {"type": "Muon"}])
-    stand_in = ("hybridlm.training.trainer", False, "hybridlm.training.trainer")
+    stand_in = ("hybridlm.training.deepspeed_muon", False, "hybridlm.training.deepspeed_muon")
     real = ("deepspeed.runtime.zero.muon.muon_optimizer", False, "deepspeed.runtime.zero.muon.original_muon")
     assert seen == [stand_in, stand_in, real]
