@@ -222,9 +222,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Memory: the logits [tokens, vocab] are the step's largest tensors (GRPO's 4,096 completion
     tokens x 151,936 columns: 1.2 GB in bf16). The statistics are computed in fp32 (or wider) over
-    chunks of ``_CHUNK_ELEMENTS``, and only the logits and each token's log-sum-exp are kept for
-    backward, which recomputes the softmax chunk by chunk into a gradient of the logits' dtype:
-    no fp32 copy of the whole logits ever exists (it did: 3 bytes of every 5 an entry took)."""
+    chunks of ``_CHUNK_ELEMENTS``, and only the logits and each token's max and sum of exponentials are
+    kept for backward, which recomputes the softmax chunk by chunk into a gradient of the logits' dtype:
+    no fp32 copy of the whole logits exists (an earlier version kept an fp32 softmax: 4 bytes an entry
+    beside the logits' 2 in bf16). The arithmetic is the same as that version's, operation for operation."""
 
     @staticmethod
     def forward(ctx, logits, target, tp, vocab_size):
@@ -243,7 +244,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             part = flat[rows, :valid].to(compute)
             local_max[rows] = part.max(dim=-1).values
             target_logit[rows] = part.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
-        target_logit.masked_fill_(outside, 0.0)
+        target_logit.masked_fill_(outside, 0.0)  # under TP only the rank owning the target keeps it
         if tp.size > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
         sum_exp = torch.zeros_like(local_max)
@@ -253,22 +254,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             both = torch.stack([target_logit, sum_exp])
             dist.all_reduce(both, group=tp.group)
             target_logit, sum_exp = both[0], both[1]
-        log_sum_exp = local_max + sum_exp.log()
-        loss = (log_sum_exp - target_logit).masked_fill_(ignored, 0.0)
+        shifted_target = target_logit - local_max  # the fp32 subtraction that shifting the logits would have made
+        loss = (sum_exp.log() - shifted_target).masked_fill_(ignored, 0.0)
         ctx.valid = valid
-        ctx.save_for_backward(logits, log_sum_exp, local_target, outside, ignored)
+        ctx.save_for_backward(logits, local_max, sum_exp, local_target, outside, ignored)
         return loss.view(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, log_sum_exp, local_target, outside, ignored = ctx.saved_tensors
+        logits, local_max, sum_exp, local_target, outside, ignored = ctx.saved_tensors
         valid, per_rank = ctx.valid, logits.shape[-1]
         flat = logits.reshape(-1, per_rank)
         grad_loss = grad_loss.reshape(-1).masked_fill(ignored, 0.0)
         grad = torch.empty_like(flat)
         grad[:, valid:] = 0.0
-        for rows in _row_chunks(flat.shape[0], valid):
-            part = (flat[rows, :valid].to(log_sum_exp.dtype) - log_sum_exp[rows].unsqueeze(-1)).exp_()  # the softmax
+        for rows in _row_chunks(flat.shape[0], valid):  # the softmax, computed as the forward computed it
+            part = (flat[rows, :valid].to(local_max.dtype) - local_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
             part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -(~outside[rows]).to(part.dtype).unsqueeze(-1))
             grad[rows, :valid] = part.mul_(grad_loss[rows].to(part.dtype).unsqueeze(-1))
         return grad.view(logits.shape), None, None, None
