@@ -225,7 +225,7 @@ def test_context_parallelism_divides_activations_and_is_proposed_for_long_sequen
     one, cp8 = (estimate(cfg, Layout(cp=cp, dp=8 // cp, zero=2, recompute="full", grad_accum=4)) for cp in (1, 8))
     assert cp8.activations_without_recompute == pytest.approx(one.activations_without_recompute / 8, rel=0.02)
     from hybridlm.parallel.tensor_parallel import _CHUNK_ELEMENTS
-    chunks = 2 * 4 * _CHUNK_ELEMENTS  # the cross-entropy's fp32 chunks: the same at any CP
+    chunks = 2 * 4 * _CHUNK_ELEMENTS  # the cross-entropy's two fp32 chunks (bf16): the same at any CP
     assert cp8.logits - chunks == pytest.approx((one.logits - chunks) / 8) and cp8.optimizer == pytest.approx(one.optimizer)
     assert ring_traffic_bytes(cfg, Layout(cp=8)) > 0 == ring_traffic_bytes(cfg, Layout(dp=8))
     assert main(["--model", "llama3-8b-128k", "--gpus", "8", "--gpu-memory", "80"]) == 0

@@ -341,15 +341,16 @@ def logits_bytes(cfg: ModelConfig, lay: Layout) -> tuple[float, float]:
     kept into backward). The head sees the full sequence (gathered under SP).
 
     The cross-entropy (``tensor_parallel._VocabParallelCrossEntropy``) keeps the logits themselves
-    for backward and works in fp32 a chunk of rows at a time (at most two chunks of
-    ``_CHUNK_ELEMENTS`` entries alive): the forward holds the logits (and the chunks), the backward
+    for backward and works in fp32 a chunk of rows at a time (one chunk of ``_CHUNK_ELEMENTS``
+    entries alive, two in bf16): the forward holds the logits (and the chunks), the backward
     the logits and their gradient, of the logits' dtype. TP=1 with --torch-compile computes a
     compiled cross-entropy, counted here as this one."""
     from ..parallel.tensor_parallel import _CHUNK_ELEMENTS
     e = 2 if lay.bf16 else 4
     vocab = cfg.pad_vocab(lay.tp) / lay.tp
     tokens = local_tokens(cfg, lay)
-    chunks = 2 * 4 * min(_CHUNK_ELEMENTS, tokens * vocab)
+    # fp32 chunks alive at once: the shifted chunk (fp32 logits are read in place), and in bf16 its fp32 copy too
+    chunks = (2 if lay.bf16 else 1) * 4 * min(_CHUNK_ELEMENTS, tokens * vocab)
     forward = e  # the logits
     backward = 2 * e  # the logits, kept, and their gradient
     if lay.pp > 1:
