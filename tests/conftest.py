@@ -11,8 +11,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # Inductor compiles a graph's kernels in one process instead of starting a pool of compile workers first: on a
 # two-core machine the pool's start-up cost more than it saved (~8 s over the suite's cold compiles).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# One shared cache for DeepSpeed's JIT-built ops (async_io for NVMe: minutes once, seconds after).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/hybridlm/torch_extensions"))
+# One cache of JIT-built ops (DeepSpeed's NVMe ops, the project's fused CPU op) per checkout, in its git-ignored .cache/:
+# a cache shared by every checkout on the machine let one venv's build overwrite another's, and a build killed in one
+# checkout left torch's lock file and an empty library that hung, then failed, the next checkout's suite.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                           ".cache", "torch_extensions"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
