@@ -14,7 +14,7 @@ import os
 import torch
 from torch import nn
 
-from .layout import Layout, load_file
+from .layout import Layout, atomic_torch_save, load_file
 
 
 def expert_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -27,9 +27,7 @@ def save_expert_weights(module: nn.Module, tag_dir: str, layout: Layout, ps) -> 
     if not experts or ps.grad_reduction.rank >= ps.ep.size:
         return
     path = layout.expert_file(tag_dir, ps.pp.rank, ps.tp.rank, ps.ep.rank)
-    tmp = f"{path}.tmp"
-    torch.save({name: p.detach().cpu().clone() for name, p in experts.items()}, tmp)
-    os.replace(tmp, path)
+    atomic_torch_save({name: p.detach().cpu().clone() for name, p in experts.items()}, path)
 
 
 @torch.no_grad()

@@ -160,6 +160,18 @@ def atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def atomic_torch_save(obj, path: str) -> None:
+    """``torch.save`` to a temporary name, then a rename: a reader never sees a half-written file."""
+    tmp = f"{path}.tmp"
+    try:
+        torch.save(obj, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
+
+
 def resolve_tag_dir(path: str, flag: str = "--checkpoint") -> str:
     """A ``global_step<N>`` folder as given, or a run directory's ``latest`` one."""
     if not os.path.isdir(path):

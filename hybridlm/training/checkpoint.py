@@ -33,10 +33,10 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 from ..config import ConfigError
 from ..interop.experts import load_expert_weights, save_expert_weights
-from ..interop.layout import Layout, atomic_write_text, read_info, write_info
+from ..interop.layout import Layout, atomic_torch_save, atomic_write_text, read_info, write_info
 from ..interop.lora import quantized_base_of
 from ..interop.reshape import check_loadable, load_resharded, needs_reshape
-from .checkpoint_io import (CheckpointSaveFailed, WriteRecorder, agreed_failure, atomic_torch_save, folder_bytes,
+from .checkpoint_io import (CheckpointSaveFailed, WriteRecorder, agreed_failure, folder_bytes,
                             human_bytes)
 
 LATEST = "latest"

@@ -114,15 +114,3 @@ def human_bytes(count: int) -> str:
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
     return f"{count} B"
-
-
-def atomic_torch_save(obj, path: str) -> None:
-    """``torch.save`` to a temporary name, then a rename: a reader never sees a half-written file."""
-    tmp = f"{path}.tmp"
-    try:
-        torch.save(obj, tmp)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
