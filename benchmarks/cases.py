@@ -106,15 +106,17 @@ def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference
                 script=("benchmarks/plan_check.py", "--label", label, "--", "--model", model) + PLAN + flags)
 
 
-def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> Case:
+def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str, ...] = (), extra: tuple[str, ...] = (),
+           expected_s: int = 0) -> Case:
     """benchmarks/curves.py's 200-step loss curves of layouts against one rank: the dense model for the scaling
-    suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, ~100-125 s a four-GPU run with its
-    start-up on H200s; a one-GPU rounding-only control runs beside the reference), or 8 gloo ranks (0)."""
+    suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, 50-170 s a four-GPU run with its
+    start-up on H200s, ``expected_s`` the whole case; a one-GPU rounding-only control runs beside the reference), or
+    8 gloo ranks (0). A four-GPU case is sized to finish within one 10-minute device call."""
     kind = "moe" if suite == "moe" else "dense"
     on_gpus = ("--gpus", str(gpus)) if gpus else ()
     chosen = ("--layouts", ",".join(layouts)) if layouts else ()
     four = [n for n in layouts if not n.startswith("1gpu")]
-    timing = dict(expected_s=120 * (len(four) + 1), timeout_s=580) if layouts else (
+    timing = dict(expected_s=expected_s or 120 * (len(four) + 1), timeout_s=560) if layouts else (
         dict(expected_s=500, timeout_s=580) if gpus else dict(expected_s=900, timeout_s=1800))
     return Case(name, suite, label, gpus=gpus, figures=("max windowed loss gap", "verdict"), launcher="python",
                 script=("benchmarks/curves.py", kind) + on_gpus + chosen + extra, **timing)
@@ -187,10 +189,9 @@ CASES = (
          "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "3584", "--num-experts", "8", "--moe-router-topk", "2",
          "--moe-aux-loss-coeff", "0.02", "--micro-batch-size", "2", "--expert-model-parallel-size", "4",
          "--global-batch-size", "64") + BF16, peers=("megatron-lm",)),
-    _curve("curve-moe-4gpu-a", "moe", "Mixtral-style d768 L8 (240M), 200 steps at EP=2 x DP=2 and EP=2 x CP=2 against 1 GPU, "
-           "beside one GPU with micro-batches of 1", gpus=4, layouts=("1gpu-mb1", "ep2-dp2", "ep2-cp2")),
-    _curve("curve-moe-4gpu-b", "moe", "the same model, 200 steps at EP=4 and EP=2 x TP=2 SP against 1 GPU, beside one GPU "
-           "with micro-batches of 1", gpus=4, layouts=("1gpu-mb1", "ep4", "ep2-tp2-sp")),
+    _curve("curve-moe-4gpu", "moe", "Mixtral-style d768 L8 (240M), 200 steps at EP=2 x DP=2, EP=2 x CP=2, EP=4 and EP=2 x TP=2 SP "
+           "against 1 GPU, beside one GPU with micro-batches of 1", gpus=4, layouts=("1gpu-mb1", "ep2-dp2", "ep2-cp2", "ep4", "ep2-tp2-sp"),
+           expected_s=480),
     _curve("curve-moe-4gpu-fp32-grads", "moe", "the same model and layouts (and DP=4 without EP), gradients accumulated "
            "and reduced in fp32 (Megatron-LM's bf16 default)", gpus=4, layouts=("1gpu-mb1", "dp4", "ep2-dp2", "ep2-cp2"),
            extra=("--fp32-grads",)),
@@ -208,6 +209,9 @@ CASES = (
          flags=BF16 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "32"), peers=("megatron-lm",)),
     Case("ref-dp4", "scaling", "DP=4 ZeRO-1, bf16, gbs 128, --torch-compile", gpus=4,
          flags=BF16 + ("--global-batch-size", "128", "--torch-compile"), peers=("megatron-lm",), readme=True),
+    Case("ref-dp4-fp32-grads", "scaling", "DP=4 ZeRO-1, bf16, gbs 128, --torch-compile, gradients accumulated and reduced in "
+         "fp32 (--accumulate-allreduce-grads-in-fp32, Megatron-LM's bf16 default)", gpus=4,
+         flags=BF16 + ("--global-batch-size", "128", "--torch-compile", "--accumulate-allreduce-grads-in-fp32")),
     Case("7b-tp2-dp2", "scaling", "TP=2 SP x DP=2, ZeRO-1, bf16, mb 2, gbs 16, --torch-compile", **SEVEN_B,
          flags=BF16 + ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "2",
                        "--global-batch-size", "16", "--torch-compile"), peers=("megatron-lm",), readme=True),
@@ -221,8 +225,11 @@ CASES = (
          "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"), peers=("megatron-lm",)),
     _curve("curve-dense-4gpu-a", "scaling", "Llama-style d1024 L10 (120M), 200 steps at DP=4 ZeRO-1, DP=4 ZeRO-3, TP=2 SP x DP=2, "
            "TP=2 x PP=2, PP=2 x DP=2 against 1 GPU", gpus=4, layouts=("1gpu-mb2", "dp4-zero1", "dp4-zero3", "tp2-sp-dp2", "tp2-pp2", "pp2-dp2")),
-    _curve("curve-dense-4gpu-b", "scaling", "the same model, 200 steps at CP=2 p2p x DP=2, CP=2 a2a x TP=2, CP=4 p2p, CP=4 a2a "
-           "against 1 GPU", gpus=4, layouts=("1gpu-mb2", "cp2-p2p-dp2", "cp2-a2a-tp2", "cp4-p2p", "cp4-a2a")),
+    # the CP layouts take 140-170 s each (four ranks on 1024 tokens): two cases, each within one call
+    _curve("curve-dense-4gpu-b", "scaling", "the same model, 200 steps at CP=2 p2p x DP=2 and CP=2 a2a x TP=2 against 1 GPU",
+           gpus=4, layouts=("1gpu-mb2", "cp2-p2p-dp2", "cp2-a2a-tp2"), expected_s=280),
+    _curve("curve-dense-4gpu-c", "scaling", "the same model, 200 steps at CP=4 p2p and CP=4 a2a against 1 GPU",
+           gpus=4, layouts=("1gpu-mb2", "cp4-p2p", "cp4-a2a"), expected_s=400),
     _curve("curve-dense-8gpu", "scaling", "the same 1.3B model, 200 steps at TP=2 SP x PP=2 x DP=2 against 1 GPU", gpus=8),
     _curve("curve-dense-cpu", "scaling", "built-in tiny model, 200 steps at TP=2 SP x PP=2 x DP=2 (8 gloo ranks) against 1 rank"),
     # the largest model on one GPU
