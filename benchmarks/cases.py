@@ -223,8 +223,10 @@ CASES = (
     Case("1p3b-8gpu", "scaling", "reference block d2048 L24 (1.3B), TP=2 SP x PP=2 x DP=2, ZeRO-1, bf16, --torch-compile, gbs 64",
          gpus=8, steps=10, warmup=4, flags=BF16 + ("--num-layers", "24", "--torch-compile", "--tensor-model-parallel-size", "2",
          "--sequence-parallel", "--pipeline-model-parallel-size", "2", "--global-batch-size", "64"), peers=("megatron-lm",)),
-    _curve("curve-dense-4gpu-a", "scaling", "Llama-style d1024 L10 (120M), 200 steps at DP=4 ZeRO-1, DP=4 ZeRO-3, TP=2 SP x DP=2, "
-           "TP=2 x PP=2, PP=2 x DP=2 against 1 GPU", gpus=4, layouts=("1gpu-mb2", "dp4-zero1", "dp4-zero3", "tp2-sp-dp2", "tp2-pp2", "pp2-dp2")),
+    _curve("curve-dense-4gpu-a", "scaling", "Llama-style d1024 L10 (120M), 200 steps at DP=4 ZeRO-1, DP=4 ZeRO-3 and TP=2 SP x DP=2 "
+           "against 1 GPU", gpus=4, layouts=("1gpu-mb2", "dp4-zero1", "dp4-zero3", "tp2-sp-dp2"), expected_s=420),
+    _curve("curve-dense-4gpu-pp", "scaling", "the same model, 200 steps at TP=2 x PP=2 and PP=2 x DP=2 against 1 GPU",
+           gpus=4, layouts=("1gpu-mb2", "tp2-pp2", "pp2-dp2"), expected_s=360),
     # the CP layouts take 140-170 s each (four ranks on 1024 tokens): two cases, each within one call
     _curve("curve-dense-4gpu-b", "scaling", "the same model, 200 steps at CP=2 p2p x DP=2 and CP=2 a2a x TP=2 against 1 GPU",
            gpus=4, layouts=("1gpu-mb2", "cp2-p2p-dp2", "cp2-a2a-tp2"), expected_s=280),

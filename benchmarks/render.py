@@ -167,40 +167,51 @@ def results_markdown(records: list[dict]) -> str:
 
 
 def curve_records(records: list[dict]) -> list[dict]:
-    """The newest successful or diverged record of each curve case's layout that kept its curves."""
+    """The newest successful or diverged record of each curve case's layout that kept its curves, for the cases that
+    still exist and the layouts they still run (a case split or merged keeps its old records in RESULTS.md's tables, not
+    in the plot)."""
+    def listed(r: dict) -> bool:
+        script = BY_NAME[r["case"]].script if r.get("case") in BY_NAME else ()
+        chosen = script[script.index("--layouts") + 1].split(",") if "--layouts" in script else None
+        return r.get("case") in BY_NAME and (chosen is None or r["curve"]["layout"] in chosen)
+
     newest: dict[tuple, dict] = {}
-    for r in newest_first([r for r in records if r.get("curve")]):
+    for r in newest_first([r for r in records if r.get("curve") and listed(r)]):
         newest.setdefault((r.get("case"), r["curve"]["layout"]), r)
     return list(newest.values())
 
 
 def plot_curves(records: list[dict], path: str = CURVES) -> int:
-    """Each layout's loss curve over its one-GPU reference (left) and their windowed relative gap (right); the number drawn."""
+    """Per model (a row each: the scaling suite's dense model, the MoE one), each layout's loss curve over its one-GPU
+    reference (left) and their windowed relative gap (right); the number drawn."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     chosen = curve_records(records)
     if not chosen:
         return 0
-    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    references = {}
-    for r in sorted(chosen, key=lambda r: (r.get("case", ""), r["curve"]["layout"])):
-        reference, losses, name = r["curve"]["reference"], r["curve"]["losses"], r["curve"]["layout"]
-        kind = (r.get("case") or ("MoE" if r.get("suite") == "moe" else "dense")).removeprefix("curve-")
-        if kind not in references:
-            references[kind] = reference
-            left.plot(range(1, len(reference) + 1), reference, color="black", linewidth=2.5, alpha=0.35, label=f"{kind}: 1 GPU")
-        style = dict(linestyle="--") if name.startswith("1gpu") else {}  # a rounding-only control on one GPU
-        left.plot(range(1, len(losses) + 1), losses, linewidth=0.8, label=f"{kind}: {name}", **style)
-        gaps = [100 * (sum(losses[i:i + 10]) - sum(reference[i:i + 10])) / sum(reference[i:i + 10])
-                for i in range(0, len(losses) - 9, 10)]
-        right.plot([i + 10 for i in range(0, len(losses) - 9, 10)], gaps, marker=".", linewidth=0.8, label=f"{kind}: {name}", **style)
-    left.set(title="loss, each layout over its one-GPU run", xlabel="step", ylabel="loss", yscale="log")
-    right.axhspan(-3, 3, color="green", alpha=0.08, label="tolerance (3%; counted beyond a dashed control's gap)")
-    right.set(title="gap of 10-step means to one GPU", xlabel="step", ylabel="%")
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-    right.legend(fontsize=7, ncol=2)
+    suites = sorted({r.get("suite", "") for r in chosen}, key=lambda s: s == "moe")
+    figure, axes = plt.subplots(len(suites), 2, figsize=(13, 4.5 * len(suites)), squeeze=False)
+    for (left, right), suite in zip(axes, suites):
+        model = "MoE" if suite == "moe" else "dense"
+        references = {}
+        for r in sorted((r for r in chosen if r.get("suite", "") == suite), key=lambda r: (r.get("case", ""), r["curve"]["layout"])):
+            reference, losses, name = r["curve"]["reference"], r["curve"]["losses"], r["curve"]["layout"]
+            kind = r.get("case", "").removeprefix("curve-")
+            if kind not in references:
+                references[kind] = reference
+                left.plot(range(1, len(reference) + 1), reference, color="black", linewidth=2.5, alpha=0.35, label=f"{kind}: 1 GPU")
+            style = dict(linestyle="--") if name.startswith("1gpu") else {}  # a rounding-only control on one GPU
+            left.plot(range(1, len(losses) + 1), losses, linewidth=0.8, label=f"{kind}: {name}", **style)
+            gaps = [100 * (sum(losses[i:i + 10]) - sum(reference[i:i + 10])) / sum(reference[i:i + 10])
+                    for i in range(0, len(losses) - 9, 10)]
+            right.plot([i + 10 for i in range(0, len(losses) - 9, 10)], gaps, marker=".", linewidth=0.8, label=f"{kind}: {name}", **style)
+        left.set(title=f"{model} model: loss, each layout over its one-GPU run", xlabel="step", ylabel="loss", yscale="log")
+        right.axhspan(-3, 3, color="green", alpha=0.08, label="tolerance (3%; counted beyond a dashed control's gap)")
+        right.set(title=f"{model} model: gap of 10-step means to one GPU", xlabel="step", ylabel="%")
+        for axis in (left, right):
+            axis.grid(alpha=0.3)
+        right.legend(fontsize=7, ncol=2)
     figure.suptitle(f"loss curves of every layout against one GPU, bf16 ({chosen[0].get('device', '')}; benchmarks/curves.py)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110, metadata={"Software": None})

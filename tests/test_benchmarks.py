@@ -99,6 +99,14 @@ def test_every_curve_case_names_layouts_benchmarks_curves_knows():
             assert set(names) <= {*LAYOUTS_4GPU[kind], *ONE_GPU_LAYOUTS[kind]}, case.name
 
 
+def test_every_gpu_case_expects_to_finish_within_one_device_call():
+    """The device tool stops a command at 600 s; a case planned longer than its own limit, or a limit past that
+    with the staging around it, dies in the call with the layouts still to run and nothing to show for them."""
+    for case in CASES:
+        if case.gpus in (1, 2, 4):
+            assert case.expected_s <= case.timeout_s <= 590, case.name
+
+
 def _probe(loss, clip, grad_err, norm=0.9275):
     groups = dict(zip(("dense", "router", "experts"), grad_err))
     return {"loss": loss, "clip_norm": clip, "full_grad_norm": norm, "grad_err_vs_fp32": {**groups, "all": grad_err[0]},
