@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hybridlm.presets import LLAMA_BLOCK, LLAMA_OPTIMIZER  # noqa: E402  (imports nothing else of the package)
+from benchmarks.runner import gpu_choice  # noqa: E402
 
 # Llama-style block and optimiser spelled out: flags left out take Megatron-LM's defaults (a GPT-2/3 block).
 LLAMA = [*LLAMA_BLOCK, *LLAMA_OPTIMIZER]
@@ -57,7 +58,7 @@ def pretrain(out: str, name: str, gpus: int, flags: list[str]) -> list[float]:
     metrics = os.path.join(out, f"{name}.jsonl")
     log = os.path.join(out, "logs", f"{name}.log")
     with open(log, "w") as f:
-        code = subprocess.run(["deepspeed", "--num_gpus", str(gpus), "--master_port", port(), "scripts/pretrain.py", *flags,
+        code = subprocess.run(["deepspeed", *gpu_choice(gpus), "--master_port", port(), "scripts/pretrain.py", *flags,
                                "--metrics-file", metrics], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
     if code != 0 or not os.path.isfile(metrics):
         print(f"[{name}] failed with exit code {code}; see {log}", flush=True)

@@ -124,13 +124,30 @@ class Call:
         return self.port
 
 
+def visible_gpus() -> Optional[list[str]]:
+    """The GPUs this process was given by number (CUDA_VISIBLE_DEVICES, e.g. a lane of the GPU suite), else None."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible if visible and all(d.isdigit() for d in visible) and os.environ.get("DS_ACCELERATOR") != "cpu" else None
+
+
+def gpu_choice(gpus: int, only: Optional[int] = None) -> list[str]:
+    """DeepSpeed launcher flags for ``gpus`` ranks, or one rank on the ``only``-th GPU. Beside --num_gpus the launcher
+    ignores CUDA_VISIBLE_DEVICES and numbers the machine's GPUs from 0, so where this process was given some GPUs
+    they are named (--include): a job stays on the GPUs it was given."""
+    visible = visible_gpus()
+    if visible is None:
+        return ["--include", f"localhost:{only}"] if only is not None else ["--num_gpus", str(gpus)]
+    chosen = [visible[only]] if only is not None else visible[:gpus]
+    if len(chosen) < (1 if only is not None else gpus):
+        raise SystemExit(f"error: {gpus} GPUs wanted, CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} gives {len(visible)}")
+    return ["--include", "localhost:" + ",".join(chosen)]
+
+
 def launcher(gpus: int, port: int, only: Optional[int] = None) -> list[str]:
-    """The deepspeed launcher for ``gpus`` ranks (on a CPU machine, gloo ranks); ``only``: one rank on that GPU
-    (the launcher ignores CUDA_VISIBLE_DEVICES beside --num_gpus, so it is named with --include)."""
+    """The deepspeed launcher for ``gpus`` ranks (on a CPU machine, gloo ranks); ``only``: one rank on that GPU."""
     deepspeed = shutil.which("deepspeed")
     head = [deepspeed] if deepspeed else [sys.executable, "-m", "deepspeed.launcher.runner"]
-    where = ["--include", f"localhost:{only}"] if only is not None else ["--num_gpus", str(gpus)]
-    return head + where + ["--master_port", str(port)]
+    return head + gpu_choice(gpus, only) + ["--master_port", str(port)]
 
 
 def hybridlm_command(case: Case, system: str, record_file: str, call: Call, profile_dir: Optional[str]) -> list[str]:

@@ -117,8 +117,13 @@ class Job:
 
 
 def _slots() -> list[str]:
+    """The GPUs jobs may take, as CUDA_VISIBLE_DEVICES names them for a child (the ones this process was given), or two
+    CPU slots."""
     import torch
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu0", "cpu1"]
+    from benchmarks.runner import visible_gpus
+    if not torch.cuda.is_available():
+        return ["cpu0", "cpu1"]
+    return visible_gpus() or [str(i) for i in range(torch.cuda.device_count())]
 
 
 def run_jobs(jobs: list[Job], port: int = 29650) -> None:

@@ -19,6 +19,11 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.pa
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+import gpu_shards  # noqa: E402
+
+# A pytest-xdist worker of a laned GPU run (tests/gpu_suite.py) sees its own GPUs only: before torch is imported.
+gpu_shards.pin_lane()
+
 # Import the heavy libraries once in the parent: forked ranks inherit them (see harness.py).
 import torch  # noqa: E402
 
@@ -31,18 +36,25 @@ import hybridlm.training.trainer  # noqa: E402,F401
 # (~3 s of CPU): once here, not once in every forked rank of every test.
 import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
 
-import gpu_shards  # noqa: E402
-
 
 def pytest_addoption(parser):
     parser.addoption("--shard", default=None, metavar="K/N", help="run the K-th of N shards, packed by measured duration "
                      "(tests/gpu_shards.py; for the GPU suite: pytest -m gpu --shard 1/4)")
     parser.addoption("--gpu-record", default=None, metavar="DIR", help="append this run's gpu-tests record to "
                      "DIR/records.jsonl (file it with python -m benchmarks render --add)")
+    parser.addoption("--gpu-pass", default=None, choices=("lanes", "whole"), help="keep the tests that fit a lane of "
+                     f"{gpu_shards.LANE_GPUS} GPUs (lanes) or those marked gpus(n) for more (whole); tests/gpu_suite.py runs both")
 
 
 def pytest_configure(config):
     gpu_shards.configure(config)
+
+
+def pytest_runtest_setup(item):
+    """``@pytest.mark.gpus(n)``: skipped, with its reason, where fewer than ``n`` GPUs are visible."""
+    needed = gpu_shards.gpus_needed(item)
+    if needed > 1 and torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} CUDA GPUs (NCCL)")
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,13 @@ the tests that need more skip with their reason.
 shard, the counts, every skip's reason, the failures, each test's duration, the device and the commit. It is
 rewritten after every test, so a run killed at its time limit still says how far it came.
 ``python -m benchmarks render --add DIR/records.jsonl`` files it; RESULTS.md shows the newest record of each shard.
+
+Lanes (``make test-gpu`` on four GPUs or more, tests/gpu_suite.py): most GPU tests need one or two GPUs, so a shard
+runs in two passes. ``--gpu-pass lanes`` keeps the shard's tests that fit a lane of ``LANE_GPUS`` GPUs and runs them
+on pytest-xdist workers that each see their own lane (``pin_lane``: CUDA_VISIBLE_DEVICES set before torch is
+imported; the project's launchers name those GPUs instead of counting from 0). ``--gpu-pass whole`` keeps the tests
+marked ``@pytest.mark.gpus(n)`` with ``n`` over a lane and runs them on every GPU. Both passes write one record: the
+same call (``HYBRIDLM_GPU_CALL``), the second adding to what the first recorded.
 """
 from __future__ import annotations
 
@@ -26,6 +33,33 @@ from typing import Optional
 import pytest
 
 UNMEASURED_S = 20.0  # most GPU tests launch processes and build or load a model
+LANE_GPUS = 2  # GPUs a lane holds: the most the project's two-GPU tests need
+LANES_ENV = "HYBRIDLM_GPU_LANES"  # the lanes of a run, e.g. "0,1;2,3": an xdist worker gwK takes the K-th
+CALL_ENV = "HYBRIDLM_GPU_CALL"  # one record for the passes of one shard
+
+
+def lanes_of(visible: list[str]) -> list[list[str]]:
+    """The GPUs cut into lanes of ``LANE_GPUS`` (a remainder joins no lane); one lane of all when fewer."""
+    if len(visible) < 2 * LANE_GPUS:
+        return [visible]
+    return [visible[i:i + LANE_GPUS] for i in range(0, len(visible) - LANE_GPUS + 1, LANE_GPUS)]
+
+
+def pin_lane(env=os.environ) -> Optional[str]:
+    """In a pytest-xdist worker of a laned run, show this worker only its lane's GPUs; the lane, or None. Called
+    before torch is imported (tests/conftest.py): CUDA reads CUDA_VISIBLE_DEVICES once, when first asked."""
+    lanes, worker = env.get(LANES_ENV), env.get("PYTEST_XDIST_WORKER", "")
+    if not lanes or not worker.startswith("gw"):
+        return None
+    lane = lanes.split(";")[int(worker[2:]) % len(lanes.split(";"))]
+    env["CUDA_VISIBLE_DEVICES"] = lane
+    return lane
+
+
+def gpus_needed(item) -> int:
+    """``@pytest.mark.gpus(n)``: the GPUs a test needs at once (1 unmarked; two-GPU tests of a lane are unmarked too)."""
+    mark = item.get_closest_marker("gpus")
+    return int(mark.args[0]) if mark else 1
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -71,7 +105,7 @@ def assign(node_ids: list[str], n: int, durations: dict[str, float]) -> list[lis
 
 def _whole_suite(argv: list[str]) -> bool:
     """No file, node or -k named: the run is the whole GPU suite or a whole shard of it (else its record says "part")."""
-    valued = {"-m", "-k", "-p", "-c", "--deselect", "--durations", "-n", "--maxfail"}
+    valued = {"-m", "-k", "-p", "-c", "--deselect", "--durations", "-n", "--maxfail", "--dist", "--gpu-pass", "--shard", "--gpu-record"}
     return not any(a == "-k" or a.startswith("--deselect") or (not a.startswith("-") and (i == 0 or argv[i - 1] not in valued))
                    for i, a in enumerate(argv))
 
@@ -85,8 +119,9 @@ def _skip_reason(report) -> str:
 class ShardPlugin:
     """Keeps one shard's tests (``--shard``) and records the run (``--gpu-record``)."""
 
-    def __init__(self, shard: Optional[tuple[int, int]], record_dir: Optional[str], argv: list[str]):
+    def __init__(self, shard: Optional[tuple[int, int]], record_dir: Optional[str], argv: list[str], gpu_pass: Optional[str] = None):
         self.shard = shard
+        self.gpu_pass = gpu_pass
         self.record_dir = record_dir
         self.started = time.monotonic()
         self.outcomes: dict[str, str] = {}
@@ -97,20 +132,45 @@ class ShardPlugin:
         if record_dir:
             from benchmarks.runner import current_commit, device_label_of, gpu_names
             now = datetime.datetime.now()
-            self.record = {"call": f"{now.strftime('%Y-%m-%dT%H%M%S')}-{socket.gethostname().split('.')[0]}",
+            call = os.environ.get(CALL_ENV) or f"{now.strftime('%Y-%m-%dT%H%M%S')}-{socket.gethostname().split('.')[0]}"
+            self.record = {"call": call,
                            "suite": "tests", "case": "gpu-tests", "system": "hybridlm",
                            "shard": "part" if not _whole_suite(argv) else f"{shard[0]}/{shard[1]}" if shard else "all",
                            "device": device_label_of(len(gpu_names())),
                            "commit": current_commit(), "command": " ".join(["pytest", *argv]),
                            "date": now.date().isoformat(), "time": now.isoformat(timespec="seconds")}
+            self._continue(self._recorded(self.record["call"], self.record["shard"]))
+
+    def _recorded(self, call: str, shard: str) -> Optional[dict]:
+        """This call's record of the shard, written by an earlier pass of it (``HYBRIDLM_GPU_CALL``), if any."""
+        path = os.path.join(self.record_dir, "records.jsonl")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            mine = [r for r in map(json.loads, filter(str.strip, f)) if (r.get("call"), r.get("shard")) == (call, shard)]
+        return mine[-1] if mine else None
+
+    def _continue(self, earlier: Optional[dict]) -> None:
+        """A later pass adds to the earlier pass's record: its outcomes, skips, failures, durations and time."""
+        if not earlier:
+            return
+        self.started -= earlier.get("wall_s", 0.0)
+        self.durations.update(earlier.get("durations", {}))
+        self.skips.update({s["test"]: s["reason"] for s in earlier.get("skips", [])})
+        self.failures.update({f["test"]: f["error"] for f in earlier.get("failures", [])})
+        self.outcomes.update(earlier.get("outcomes", {}))
+        self.record.update(command=earlier["command"] + " && " + self.record["command"], date=earlier["date"], time=earlier["time"])
 
     @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shards cut what is left
     def pytest_collection_modifyitems(self, session, config, items):
-        if not self.shard:
-            return
-        from benchmarks.records import load_all
-        k, n = self.shard
-        keep = set(assign([item.nodeid for item in items], n, measured_durations(load_all()))[k - 1])
+        keep = {item.nodeid for item in items}
+        if self.shard:
+            from benchmarks.records import load_all
+            k, n = self.shard
+            keep = set(assign(sorted(keep), n, measured_durations(load_all()))[k - 1])
+        if self.gpu_pass:  # after the shard's cut, so the two passes split one shard
+            laned = self.gpu_pass == "lanes"
+            keep = {item.nodeid for item in items if item.nodeid in keep and (gpus_needed(item) <= LANE_GPUS) == laned}
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
         items[:] = [item for item in items if item.nodeid in keep]
 
@@ -142,7 +202,7 @@ class ShardPlugin:
                   "figures": {**counts, "finished": finished},
                   "skips": [{"test": node, "reason": reason} for node, reason in self.skips.items()],
                   "failures": [{"test": node, "error": error} for node, error in self.failures.items()],
-                  "durations": self.durations}
+                  "durations": self.durations, "outcomes": self.outcomes}
         if not finished:
             record["error"] = "stopped before the shard's last test (killed at its time limit?)"
         os.makedirs(self.record_dir, exist_ok=True)
@@ -159,11 +219,13 @@ class ShardPlugin:
 
 def configure(config) -> None:
     """Register the plugin when ``--shard`` or ``--gpu-record`` is given (conftest.py calls this)."""
-    shard_text, record_dir = config.getoption("shard"), config.getoption("gpu_record")
-    if not shard_text and not record_dir:
+    shard_text, record_dir, gpu_pass = config.getoption("shard"), config.getoption("gpu_record"), config.getoption("gpu_pass")
+    if not shard_text and not record_dir and not gpu_pass:
         return
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: it cuts the shard; the controller gets every report and records
+        record_dir = None
     try:
         shard = parse_shard(shard_text) if shard_text else None
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    config.pluginmanager.register(ShardPlugin(shard, record_dir, sys.argv[1:]), "gpu_shards")
+    config.pluginmanager.register(ShardPlugin(shard, record_dir, sys.argv[1:], gpu_pass), "gpu_shards")

@@ -299,11 +299,12 @@ def _launch_finetune(flags: list[str], metrics) -> list[float]:
     import json
     import sys
 
+    from benchmarks.runner import gpu_choice
     from harness import free_port, retry_on_port_clash, run_command
     from oracle import ROOT
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
     result = retry_on_port_clash(lambda: run_command(
-        [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", "1",
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), *gpu_choice(1),
          "scripts/finetune.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT, timeout=600, env=env))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     with open(metrics) as f:

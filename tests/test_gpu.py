@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from benchmarks.runner import gpu_choice
 from harness import free_port, retry_on_port_clash, run_command
 from oracle import ROOT, TINY
 
@@ -23,7 +24,7 @@ def _launch(gpus: int, flags: list[str], metrics, log_says: str | None = None) -
     bin_dir = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
     result = retry_on_port_clash(lambda: run_command(
-        [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), "--num_gpus", str(gpus),
+        [sys.executable, "-m", "deepspeed.launcher.runner", "--master_port", str(free_port()), *gpu_choice(gpus),
          "scripts/pretrain.py", *flags, "--metrics-file", str(metrics)], cwd=ROOT, timeout=600, env=env))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert log_says is None or log_says in result.stdout, f"the log does not say {log_says!r}"

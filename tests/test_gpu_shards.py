@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.render import gpu_tests_markdown
-from gpu_shards import ShardPlugin, assign, measured_durations, parse_shard
+from gpu_shards import CALL_ENV, LANES_ENV, ShardPlugin, assign, lanes_of, measured_durations, parse_shard, pin_lane
 
 NODES = [f"tests/test_{f}.py::t{i}" for f in "abcd" for i in range(3)] + ["tests/test_big.py::slow", "tests/test_big.py::fast"]
 
@@ -77,3 +77,86 @@ def test_results_show_the_newest_record_of_each_shard():
     text = "\n".join(gpu_tests_markdown([old, new, other]))
     assert "| 1/2 | 2026-11-27 |" in text and "| bbb |" in text and "| aaa |" not in text
     assert "| 2/2 |" in text and "t::x" in text and "1 x needs 4 CUDA GPUs (NCCL)" in text
+
+
+def test_four_gpus_make_two_lanes_of_two_and_fewer_make_one_lane_of_all():
+    assert lanes_of(["0", "1", "2", "3"]) == [["0", "1"], ["2", "3"]]
+    assert lanes_of(["4", "5", "6", "7", "0", "1"]) == [["4", "5"], ["6", "7"], ["0", "1"]]
+    assert lanes_of(["0", "1"]) == [["0", "1"]] and lanes_of(["3"]) == [["3"]]
+
+
+def test_each_xdist_worker_of_a_laned_run_sees_its_own_lane_and_other_runs_are_left_alone():
+    env = {LANES_ENV: "0,1;2,3", "PYTEST_XDIST_WORKER": "gw1"}
+    assert pin_lane(env) == "2,3" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    for untouched in ({"PYTEST_XDIST_WORKER": "gw1"}, {LANES_ENV: "0,1;2,3"}, {LANES_ENV: "0,1;2,3", "PYTEST_XDIST_WORKER": "master"}):
+        assert pin_lane(untouched) is None and "CUDA_VISIBLE_DEVICES" not in untouched
+
+
+@pytest.mark.parametrize("visible, gpus, only, flags", [
+    (None, 2, None, ["--num_gpus", "2"]),  # the whole machine: DeepSpeed's own numbering
+    (None, 1, 3, ["--include", "localhost:3"]),
+    ("2,3", 2, None, ["--include", "localhost:2,3"]),  # a lane: its GPUs by name, not GPUs 0 and 1
+    ("2,3", 1, None, ["--include", "localhost:2"]),
+    ("2,3", 1, 1, ["--include", "localhost:3"])])
+def test_the_deepspeed_launcher_is_told_the_gpus_this_process_was_given(monkeypatch, visible, gpus, only, flags):
+    from benchmarks.runner import gpu_choice
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_choice(gpus, only) == flags
+
+
+def test_a_lane_cannot_start_a_job_of_more_gpus_than_it_holds(monkeypatch):
+    from benchmarks.runner import gpu_choice
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(SystemExit, match="4 GPUs wanted, CUDA_VISIBLE_DEVICES=2,3 gives 2"):
+        gpu_choice(4)
+
+
+def _item(node, gpus=None):
+    mark = SimpleNamespace(args=(gpus,)) if gpus else None
+    return SimpleNamespace(nodeid=node, get_closest_marker=lambda name: mark if name == "gpus" else None)
+
+
+@pytest.mark.parametrize("shard", [(1, 2), (2, 2)])
+def test_the_two_passes_of_a_shard_split_it_by_the_gpus_each_test_needs(shard):
+    items = [_item(n) for n in NODES] + [_item("tests/test_e.py::four", 4)]
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: None))
+    whole_shard = list(items)
+    ShardPlugin(shard, None, []).pytest_collection_modifyitems(None, config, whole_shard)
+    kept = {}
+    for gpu_pass in ("lanes", "whole"):
+        mine = list(items)
+        ShardPlugin(shard, None, [], gpu_pass).pytest_collection_modifyitems(None, config, mine)
+        kept[gpu_pass] = {i.nodeid for i in mine}
+    assert kept["lanes"] | kept["whole"] == {i.nodeid for i in whole_shard} and not kept["lanes"] & kept["whole"]
+    assert all(n == "tests/test_e.py::four" for n in kept["whole"])
+
+
+def test_the_second_pass_adds_to_the_first_passs_record_of_the_shard(tmp_path, monkeypatch):
+    monkeypatch.setenv(CALL_ENV, "2026-11-27T180000-box")
+    first = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=lanes", "-n", "2"], "lanes")
+    first.pytest_runtest_logreport(_report("t::one", "call", "passed"))
+    first.pytest_runtest_logreport(_report("t::two", "call", "failed", "assert 0"))
+    first.pytest_sessionfinish(None, 1)
+    second = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=whole"], "whole")
+    second.pytest_runtest_logreport(_report("t::four", "setup", "skipped", ("t.py", 9, "Skipped: needs 4 CUDA GPUs (NCCL)")))
+    second.pytest_sessionfinish(None, 0)
+    [record] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert (record["call"], record["shard"]) == ("2026-11-27T180000-box", "1/2")
+    assert record["figures"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1, "xfailed": 0, "finished": True}
+    assert record["status"] == "failed" and record["failures"][0]["test"] == "t::two"
+    assert set(record["durations"]) == {"t::one", "t::two", "t::four"} and "&&" in record["command"]
+
+
+def test_make_test_gpu_runs_two_lanes_on_four_gpus_and_one_pytest_on_fewer():
+    from gpu_suite import passes
+    (laned, laned_env), (whole, whole_env) = passes("2/4", "/out", ["0", "1", "2", "3"], None, [])
+    assert laned[laned.index("-n") + 1] == "2" and "--gpu-pass=lanes" in laned and laned_env[LANES_ENV] == "0,1;2,3"
+    assert "--gpu-pass=whole" in whole and "-n" not in whole and LANES_ENV not in whole_env
+    assert {"--shard=2/4", "--gpu-record=/out"} <= set(laned) & set(whole) and laned_env[CALL_ENV] == whole_env[CALL_ENV]
+    for gpus, lanes in ((["0", "1"], None), (["0", "1", "2", "3"], 1)):
+        (laned, laned_env), _ = passes("1/4", None, gpus, lanes, [])
+        assert "-n" not in laned and LANES_ENV not in laned_env

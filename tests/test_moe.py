@@ -143,7 +143,7 @@ def test_grouped_gemm_is_as_close_to_fp32_as_the_bf16_expert_loop_at_the_curve_m
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (NCCL)")
+@pytest.mark.gpus(4)
 def test_every_four_gpu_ep_layout_takes_one_gpus_step_on_the_same_weights(tmp_path):
     # The sharp instrument for EP (benchmarks/same_weights.py --model moe): from one GPU's checkpoint, one step of
     # each layout; loss, clip norm and each group's gradient (dense, router, experts) against fp32 no further than

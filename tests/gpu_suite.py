@@ -1,0 +1,66 @@
+"""One shard of the GPU suite on this machine, in lanes where it has four GPUs or more (``make test-gpu``).
+
+    python3 tests/gpu_suite.py [--shard K/N] [--record DIR] [--lanes L] [-- more pytest arguments]
+
+Most GPU tests need one GPU or two, and each spends most of its time starting processes, so a machine of four GPUs
+runs the shard twice as fast in two lanes of two: the first pass runs the tests that fit a lane on pytest-xdist
+workers that each see their lane's GPUs (tests/gpu_shards.py), the second the tests marked ``gpus(n)`` for more, on
+every GPU. Both passes write one ``gpu-tests`` record of the shard. The exit code is the first failing pass's (a pass
+with no test of its kind is not a failure).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from gpu_shards import CALL_ENV, LANES_ENV, lanes_of  # noqa: E402
+
+NO_TESTS_COLLECTED = 5  # pytest's exit code when -m / the pass leave nothing to run
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them for a child."""
+    import torch
+    given = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return given or [str(i) for i in range(torch.cuda.device_count())]
+
+
+def passes(shard: str | None, record: str | None, gpus: list[str], lanes: int | None, extra: list[str]) -> list[tuple[list[str], dict]]:
+    """The two pytest commands of a shard and the environment each runs in."""
+    call = f"{datetime.datetime.now().strftime('%Y-%m-%dT%H%M%S')}-{socket.gethostname().split('.')[0]}"
+    env = {**os.environ, CALL_ENV: call}
+    base = [sys.executable, "-m", "pytest", "-m", "gpu", "--durations=25"] + ([f"--shard={shard}"] if shard else []) + (
+        [f"--gpu-record={record}"] if record else []) + extra
+    cut = lanes_of(gpus)[:lanes] if lanes else lanes_of(gpus)
+    laned = base + ["--gpu-pass=lanes"]
+    laned_env = dict(env)
+    if len(cut) > 1:
+        laned += ["-n", str(len(cut)), "--dist=loadfile"]
+        laned_env[LANES_ENV] = ";".join(",".join(lane) for lane in cut)
+    return [(laned, laned_env), (base + ["--gpu-pass=whole"], env)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shard", default=None, help="K/N: the K-th of N shards (default: the whole GPU suite)")
+    parser.add_argument("--record", default=None, help="a folder for the shard's gpu-tests record (records.jsonl)")
+    parser.add_argument("--lanes", type=int, default=None, help="at most this many lanes of two GPUs (default: all the GPUs hold; 1: one pytest)")
+    parser.add_argument("extra", nargs="*", help="more pytest arguments (after --)")
+    args = parser.parse_args()
+    failed = []
+    for command, env in passes(args.shard, args.record, visible_gpus(), args.lanes, args.extra):
+        print("+ " + " ".join(command), flush=True)
+        code = subprocess.call(command, env=env, cwd=os.path.dirname(HERE))
+        if code not in (0, NO_TESTS_COLLECTED):
+            failed.append(code)
+    return failed[0] if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
