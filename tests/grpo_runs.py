@@ -167,11 +167,16 @@ def build(flags: list[str]):
 
 def train_on_fixed_rollouts(flags: list[str], data: dict, variants: list) -> list[dict]:
     """In each rank: for each (loss type, reward scaling, mask truncated) one step on this replica's share
-    of ``data`` (advantages computed by the task from the rewards); the step's loss and full gradients."""
+    of ``data`` (advantages computed by the task from the rewards); the step's loss and full gradients, and how many
+    times so far the loss took the fused head's path."""
     import numpy as np
 
     from hybridlm.training.grpo import RolloutRows, advantages_of
     from hybridlm.training.trainer import data_iterator, train_step
+    from hybridlm.parallel import loss as loss_module
+    fused_calls = []  # the model hands the loss HeadLogits (hybridlm.parallel.fused_head): the path these steps check
+    fused = loss_module.fused_head_cross_entropy
+    loss_module.fused_head_cross_entropy = lambda *args: fused_calls.append(1) or fused(*args)
     run = build(flags)
     probe = _probe_grads(run)
     f, dp = run.cfg.posttrain, run.ps.dp
@@ -186,7 +191,7 @@ def train_on_fixed_rollouts(flags: list[str], data: dict, variants: list) -> lis
                            *([data[k][i] for i in mine] for k in ("old", "reference")))
         run.task.batch = run.task.use_rollout(run, rows)
         loss = train_step(run, data_iterator(run)).item()
-        results.append({"loss": loss, "grads": probe.pop("grads")})
+        results.append({"loss": loss, "grads": probe.pop("grads"), "fused_head_calls": len(fused_calls)})
     return results
 
 

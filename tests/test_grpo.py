@@ -1,5 +1,5 @@
 """GRPO: the loss and gradients at every layout equal TRL 1.16.0's definitions on transformers'
-log-probabilities (fixed rollouts: prompts, completions, rewards, old and reference log-probs),
+log-probabilities (computed with the output head fused into the loss, hybridlm/parallel/fused_head.py) (fixed rollouts: prompts, completions, rewards, old and reference log-probs),
 for each loss type, reward scaling and truncation mask; rollouts, resumes and a learning run."""
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ def test_loss_and_gradients_equal_trls_definitions_for_every_loss_type(pinned, l
             assert err <= 1e-5, f"{what}: {name} gradient relative error {err:.2e}"
     losses = [r["loss"] for r in expected]
     assert len(set(round(x, 6) for x in losses)) == len(losses), "the variants should differ, or the test shows nothing"
+    assert got[-1]["fused_head_calls"] >= 2 * len(VARIANTS), "the log-probabilities came from the head fused into the loss"
 
 
 PROMPTS = [[5, 77, 140], [9, 12, 250, 3, 299, 18, 64], [200, 41, 7, 7, 150, 33]]

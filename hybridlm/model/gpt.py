@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops import reference as reference_ops
+from ..parallel.fused_head import HeadLogits
 from ..parallel.loss import LossReducer, loss_scales, scaled_loss
 from ..parallel.plan import LayerFactory
 from ..parallel.tensor_parallel import scaled_init_std
@@ -259,16 +260,30 @@ class OutputLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, factory: LayerFactory):
         super().__init__()
+        self.factory = factory
         self.linear = factory.column_linear(cfg.hidden_size, [cfg.padded_vocab_size], bias=False, init_std=cfg.init_method_std)
         mark_vocabulary_rows(self.linear.weight, cfg.vocab_size)
 
     def forward(self, x):
         return self.linear(x)
 
+    def head_logits(self, x) -> HeadLogits | None:
+        """The logits left to a loss that computes them chunk by chunk with the head's weight, or None where the
+        head is more than that weight (Transformer Engine's matmul, a LoRA adapter's term)."""
+        linear = self.linear
+        if linear.local_matmul is not None or (linear.lora is not None and linear.lora.enabled):
+            return None
+        return self.factory.lm_head_logits(x, linear.weight)
+
 
 def tied_output(embedding: Embedding, x):
     """Tied head: reuse the (vocab-split) input embedding as the output projection."""
     return embedding.factory.lm_logits(x, embedding.word_embeddings.weight)
+
+
+def tied_head_logits(embedding: Embedding, x) -> HeadLogits:
+    """The tied head's logits left to the loss (``OutputLayer.head_logits``)."""
+    return embedding.factory.lm_head_logits(x, embedding.word_embeddings.weight)
 
 
 class LMLoss:

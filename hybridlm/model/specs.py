@@ -24,7 +24,7 @@ from ..parallel.loss import LossReducer
 from ..parallel.plan import LayerFactory
 from ..parallel.quantized import QuantSpec, quantize_block_linears
 from .execution import LayerSteps
-from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_output
+from .gpt import Embedding, FinalNorm, LMLoss, OutputLayer, TransformerLayer, tied_head_logits, tied_output
 
 TIED_KEY = "embed"
 TIED_ATTR = "word_embeddings.weight"
@@ -101,8 +101,20 @@ class SequentialModel(nn.Module):
         select = getattr(self.loss_fn, "select_positions", None) if labels is not None else None
         if select is not None:  # the head and the loss only where the loss reads (MaskedLMLoss)
             x, labels = select(x, labels)
-        x = head(x)
-        return x if labels is None else self.loss_fn(x, labels)
+        if labels is None:
+            return head(x)
+        lazy = _head_logits(head) if getattr(self.loss_fn, "fused_head", False) else None
+        logits = lazy(x) if lazy is not None else None  # the loss computes them, chunk by chunk (GRPOLoss)
+        return self.loss_fn(head(x) if logits is None else logits, labels)
+
+
+def _head_logits(head) -> Optional[Callable]:
+    """``head``'s ``HeadLogits`` maker (``hybridlm.parallel.fused_head``), or None for a head that has none."""
+    if isinstance(head, OutputLayer):
+        return head.head_logits
+    if isinstance(head, partial) and head.func is tied_output:
+        return partial(tied_head_logits, *head.args)
+    return None
 
 
 class PipelineModel(PipelineModule):

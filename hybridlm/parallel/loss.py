@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .context import sum_over_context_parallel
+from .fused_head import HeadLogits, fused_head_cross_entropy
 from .state import SINGLE, GroupHandle
 from .tensor_parallel import IGNORE_INDEX, vocab_parallel_cross_entropy
 
@@ -92,9 +93,12 @@ class LossReducer:
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.compiled_loss = None
 
-    def cross_entropy(self, logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    def cross_entropy(self, logits: torch.Tensor | HeadLogits, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
         """Per-token loss of vocab-split logits; columns from ``vocab_size`` on (padding) take no part,
-        and neither do IGNORE_INDEX targets (their loss is 0)."""
+        and neither do IGNORE_INDEX targets (their loss is 0). ``HeadLogits``: computed with the head, chunk
+        by chunk (``hybridlm.parallel.fused_head``)."""
+        if isinstance(logits, HeadLogits):
+            return fused_head_cross_entropy(logits, target, self.tp, vocab_size)
         if self.tp.size == 1 and self.compiled_loss is not None:
             return self.compiled_loss(logits if vocab_size is None else logits[..., :vocab_size], target)
         return vocab_parallel_cross_entropy(logits, target, self.tp, vocab_size)

@@ -30,9 +30,10 @@ from torch import nn
 
 from ..ops import Kernels, reference_kernels
 from .context import ContextParallelAttention
+from .fused_head import HeadLogits
 from .moe import MoELayer
 from .random import RandomStreams
-from .sequence import scatter_to_sequence, sum_grad_over_tp
+from .sequence import gather_from_sequence, scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_matmul, copy_to_tensor_parallel, reduce_from_tensor_parallel, tag_parameter)
@@ -165,3 +166,8 @@ class LayerFactory:
     def lm_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Output projection with a vocab-split weight (the tied embedding's or the head's)."""
         return column_parallel_matmul(x, weight, None, self.tp, self.sequence_parallel)
+
+    def lm_head_logits(self, x: torch.Tensor, weight: torch.Tensor) -> HeadLogits:
+        """The same projection left to the loss (``hybridlm.parallel.fused_head``): ``x`` across the head's TP
+        crossing, beside the weight."""
+        return HeadLogits(gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tensor_parallel(x, self.tp), weight)

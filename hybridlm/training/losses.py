@@ -193,7 +193,12 @@ class GRPOLoss:
 
     ``on_policy``: the old log-probs are the current ones (the tensor passed is not read).
     ``recording``: a log-prob pass (old or reference), which returns 0 and appends each micro-batch's
-    log-probs [b, s] (0 off the labels) to ``records``. Metric sums since ``take_sums``: ``sums``."""
+    log-probs [b, s] (0 off the labels) to ``records``. Metric sums since ``take_sums``: ``sums``.
+    ``fused_head``: the model hands over ``HeadLogits`` where its head allows, and the log-probabilities are
+    computed with the head chunk by chunk: the completions' logits (4,096 x 151,936 for Qwen2's vocabulary
+    in a micro-batch of 8 x 512) and their gradient never exist whole."""
+
+    fused_head = True
 
     def __init__(self, reducer: LossReducer, vocab_size: int | None, *, beta: float, epsilon: float, epsilon_high: float,
                  temperature: float):
@@ -233,7 +238,7 @@ class GRPOLoss:
                 keep, rows, length = placement[0]
                 values = values.new_zeros(length * rows).index_copy_(0, keep, values.reshape(-1)).view(length, rows)
             self.records.append(values.t())
-            return logits.new_zeros((), dtype=torch.float32)
+            return logp.new_zeros((), dtype=torch.float32)
         mask = labels.t() != IGNORE_INDEX
         old, ref, advantages, weights = (x.t() for x in (old, ref, advantages, weights))
         old = logp.detach() if self.on_policy else old
