@@ -101,7 +101,10 @@ def megatron_args(run, *, iters: int) -> list[str]:
     ]) + ["--mock-data", "--log-throughput", "--use-distributed-optimizer", "--cross-entropy-loss-fusion", "--manual-gc",
           # Megatron's output layer (its own ColumnParallelLinear) needs apex's fused_weight_gradient_mlp_cuda for
           # gradient-accumulation fusion, and apex is not on the GPU machine; off, so the TE layers do not fuse either
-          "--no-gradient-accumulation-fusion"]
+          "--no-gradient-accumulation-fusion",
+          # the causal mask is TE's own: a [seq, seq] mask built per sample in the dataloader goes unused (16 GiB of
+          # bools a sample at 128K), so Megatron's long-context examples switch it off, as its best flags do here
+          "--no-create-attention-mask-in-dataloader"]
     if m.num_query_groups != m.num_attention_heads:
         args += ["--group-query-attention", "--num-query-groups", str(m.num_query_groups)]
     args += ["--swiglu"] if m.swiglu else []

@@ -139,7 +139,7 @@ def test_megatron_gets_the_cases_model_batch_and_its_best_flags():
         "--ffn-hidden-size": str(ref.ffn_hidden_size), "--seq-length": str(ref.seq_length), "--vocab-size": str(ref.vocab_size),
         "--micro-batch-size": "4", "--global-batch-size": "64", "--normalization": ref.normalization}
     assert {"--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--bf16", "--mock-data",
-            "--use-distributed-optimizer", "--cross-entropy-loss-fusion"} <= set(args)
+            "--use-distributed-optimizer", "--cross-entropy-loss-fusion", "--no-create-attention-mask-in-dataloader"} <= set(args)
     assert value["--transformer-impl"] == "transformer_engine" and value["--attention-backend"] == "fused"  # cuDNN through TE
     assert "--fp8-format" not in args and "--cuda-graph-impl" not in args
     fp8 = megatron.megatron_args(runner.run_config(BY_NAME["ref-fp8"]), iters=20)
