@@ -296,6 +296,24 @@ def _gradient_precision(cfg) -> Optional[str]:
     return None
 
 
+def _precision_aware_optimizer(cfg) -> Optional[str]:
+    """--use-precision-aware-optimizer with --exp-avg-dtype / --exp-avg-sq-dtype (Megatron: the moments' storage
+    dtypes, fp32 unless the flag is given); hybridlm.training.moment_adamw keeps them."""
+    t = cfg.train
+    narrowed = [f"--{name.replace('_', '-')} {getattr(t, name)}" for name in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(t, name) != "fp32"]
+    if narrowed and not t.use_precision_aware_optimizer:
+        raise ConfigError(f"{narrowed[0]} needs --use-precision-aware-optimizer, as in Megatron-LM.")
+    if t.use_precision_aware_optimizer and not (t.bf16 or t.fp16):
+        raise ConfigError("--use-precision-aware-optimizer needs --bf16 or --fp16: it narrows the moments beside fp32 master "
+                          "weights, which an fp32 run does not keep.")
+    if t.use_precision_aware_optimizer and t.optimizer_impl == "deepspeed_cpu":
+        raise ConfigError("--use-precision-aware-optimizer cannot be combined with --optimizer-impl deepspeed_cpu: "
+                          "DeepSpeed's CPU Adam keeps fp32 moments.")
+    if t.use_precision_aware_optimizer and not narrowed:
+        return "--use-precision-aware-optimizer: the moments stay fp32 (--exp-avg-dtype / --exp-avg-sq-dtype fp32)"
+    return None
+
+
 def _ckpt_format(cfg) -> Optional[str]:
     if "ckpt_format" not in cfg.explicit:
         return None
@@ -315,7 +333,8 @@ def _profile(cfg) -> Optional[str]:
 
 
 _RULES: tuple[Callable, ...] = (_distributed_optimizer, _overlap_grad_reduce, _overlap_param_gather, _rotary_percent,
-                                 _dispatcher, _fp8_param_gather, _gradient_precision, _ckpt_format, _profile)
+                                 _dispatcher, _fp8_param_gather, _gradient_precision, _precision_aware_optimizer,
+                                 _ckpt_format, _profile)
 
 
 def markdown() -> str:

@@ -22,6 +22,8 @@ Model states, by DeepSpeed's optimizer path (``engine._do_optimizer_sanity_check
                     fp32 grad accumulation 4Ψ
   bf16, ZeRO-1/2/3  as fp32 with 2-byte params and grads; master and moments stay fp32
 
+The moments are 8Ψ in fp32; with --use-precision-aware-optimizer and bf16 or fp16 moments 2 bytes each.
+
 Activations are what autograd keeps per transformer layer per micro-batch, counted with
 autograd's saved-tensor hooks on this model's layers, in bytes per token of the micro-batch, with
 h hidden, A = heads x head_dim, G = groups x head_dim, f the MLP width, t = TP, e = 2 (bf16) or 4:
@@ -88,6 +90,7 @@ class Layout:
     grad_accum: int = 1  # micro-batches per optimizer step per DP rank
     bf16: bool = True
     offload_optimizer: bool = False  # ZeRO-1/2/3: master + moments (and the step) on the CPU
+    moment_bytes: int = 8  # Adam's two moments a parameter: 8 in fp32, 4 in bf16 (--use-precision-aware-optimizer)
     offload_params: bool = False  # ZeRO-3: parameters on the CPU between uses
     reduce_bucket: float = 5e8  # DeepSpeed's reduce_bucket_size (elements)
     overlap_comm: Optional[bool] = None  # default: DeepSpeed's shipped JSONs (off for ZeRO-1, on for 2 and 3)
@@ -388,13 +391,13 @@ def model_states(n: float, lay: Layout) -> States:
             s.params, s.optimizer, s.grads_end = 4 * n, 8 * n, 4 * n
             s.step_extra = 4 * min(n, bucket) if dp > 1 else 0.0  # the flat all-reduce copy
         elif lay.pp == 1:  # FP16_Optimizer (fused, bf16): fp32 master + moments, fp32 flat grads in the step
-            s.params, s.optimizer, s.grads_end = 2 * n, 12 * n, 2 * n
+            s.params, s.optimizer, s.grads_end = 2 * n, (4 + lay.moment_bytes) * n, 2 * n
             s.step_extra = 4 * n + (2 * min(n, bucket) if dp > 1 else 0.0)
         else:  # BF16_Optimizer: master and moments partitioned over DP, fp32 accumulation kept
-            s.params, s.optimizer, s.grads_kept, s.grads_end = 2 * n, 12 * n / dp, 4 * n, 4 * n + 2 * n
+            s.params, s.optimizer, s.grads_kept, s.grads_end = 2 * n, (4 + lay.moment_bytes) * n / dp, 4 * n, 4 * n + 2 * n
         return s
     part = n / dp
-    s.optimizer = 0.0 if lay.offload_optimizer else 12 * part
+    s.optimizer = 0.0 if lay.offload_optimizer else (4 + lay.moment_bytes) * part
     if lay.offload_optimizer:
         s.notes.append("optimizer states on the CPU")
     reduce_dtype = 4 if (z == 1 or not lay.bf16) else pe  # ZeRO-1 stages an fp32 accumulator
@@ -499,4 +502,5 @@ def layout_from_run(cfg, ds: dict) -> Layout:
                   ep=p.expert_model_parallel_size, cp=p.context_parallel_size, sequence_parallel=p.sequence_parallel,
                   recompute=p.recompute_granularity, recompute_modules=tuple(p.recompute_modules or ()),
                   micro_batch_size=t.micro_batch_size,
-                  grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, **ds_settings(ds))
+                  grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, **ds_settings(ds),
+                  moment_bytes=(2 if t.exp_avg_dtype != "fp32" else 4) + (2 if t.exp_avg_sq_dtype != "fp32" else 4))

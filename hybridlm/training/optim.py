@@ -15,6 +15,7 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from torch import nn
 
 from ..config import TrainConfig
+from .moment_adamw import DTYPES, MomentDtypeAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float, decoupled_lr: float | None = None,
@@ -114,6 +115,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, 
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs), False
     fused = on_gpu and not offloading
+    if cfg.use_precision_aware_optimizer:
+        return MomentDtypeAdamW(groups, exp_avg_dtype=DTYPES[cfg.exp_avg_dtype], exp_avg_sq_dtype=DTYPES[cfg.exp_avg_sq_dtype],
+                                **kwargs), False
     if zero_stage == 0 and not (cfg.bf16 or cfg.fp16):
         return ClippingAdamW(groups, model=model, ps=ps, clip=cfg.clip_grad, fused=fused, **kwargs), True
     return torch.optim.AdamW(groups, fused=fused, **kwargs), False

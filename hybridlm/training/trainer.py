@@ -88,6 +88,9 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
     ds = finalize_ds_config(ds, cfg)
     offloaded = [w for w in ("optimizer", "param") if offload_device(ds, w)]
+    if cfg.train.use_precision_aware_optimizer and ("optimizer" in offloaded or "optimizer" in ds):
+        why = "offloads the optimizer to DeepSpeed's CPU Adam" if "optimizer" in offloaded else "names its own optimizer"
+        raise ConfigError(f"--use-precision-aware-optimizer needs hybridlm's AdamW, and {cfg.train.deepspeed_config} {why}.")
     if cfg.model.cuda_graphs and offloaded:
         raise ConfigError(f"--cuda-graphs cannot be combined with offload_{offloaded[0]} (in {cfg.train.deepspeed_config}): "
                           "captured graphs with offloaded ZeRO state have not been checked.")
@@ -231,6 +234,8 @@ def start_engine(cfg: RunConfig, ds_config: dict, model, ps: ParallelState):
             ds_config["gradient_clipping"] = 0.0
         if offloading and not type(optimizer).__name__.startswith("DeepSpeed"):
             ds_config["zero_force_ds_cpu_optimizer"] = False
+        if t.use_precision_aware_optimizer:  # ZeRO runs the optimizers it knows by name unless told (moment_adamw.py)
+            ds_config["zero_allow_untested_optimizer"] = True
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
