@@ -107,3 +107,14 @@ def test_what_cannot_work_is_one_sentence_before_any_process_group(flags, says):
     from hybridlm.training.trainer import prepare_config
     with pytest.raises(ConfigError, match=says):
         prepare_config(parse_args(TINY + flags))
+
+
+def test_the_memory_planner_counts_bf16_moments_at_half_the_bytes():
+    from hybridlm.config import parse_args
+    from hybridlm.planner.memory import layout_from_run, model_states
+    from hybridlm.training.trainer import prepare_config
+    plans = {}
+    for name, extra in (("fp32 moments", []), ("bf16 moments", BF16_MOMENTS[1:])):
+        cfg, ds = prepare_config(parse_args(TINY + ["--bf16"] + extra + ds_config("zero1")))
+        plans[name] = model_states(1e9, layout_from_run(cfg, ds)).optimizer
+    assert plans == {"fp32 moments": 12e9, "bf16 moments": 8e9}  # master 4 bytes + moments 8 or 4, one DP rank
