@@ -14,7 +14,7 @@ import torch.distributed as dist
 from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 from torch import nn
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from .moment_adamw import DTYPES, MomentDtypeAdamW
 
 
@@ -100,6 +100,13 @@ class ClippingAdamW(torch.optim.AdamW):
                 if p.grad is not None:
                     p.grad.mul_(scale)
         return super().step(closure)
+
+
+def check_optimizer_choice(cfg: TrainConfig, ds: dict, offloaded: list[str]) -> None:
+    """--use-precision-aware-optimizer needs the optimizer built here: not one the JSON names or DeepSpeed's CPU Adam."""
+    if cfg.use_precision_aware_optimizer and ("optimizer" in offloaded or "optimizer" in ds):
+        why = "offloads the optimizer to DeepSpeed's CPU Adam" if "optimizer" in offloaded else "names its own optimizer"
+        raise ConfigError(f"--use-precision-aware-optimizer needs hybridlm's AdamW, and {cfg.deepspeed_config} {why}.")
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, offloading: bool, on_gpu: bool):

@@ -47,7 +47,7 @@ from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .monitor import Monitor, check_config as check_monitor_config
 from .moe_metrics import collect_moe_stats, tracker_metrics
-from .optim import WarmupDecayLR, build_optimizer, continue_schedule
+from .optim import WarmupDecayLR, build_optimizer, check_optimizer_choice, continue_schedule
 from .checkpoint_io import CheckpointSaveFailed
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Interrupted, Preempted
 from .profiling import StepProfiler
@@ -88,9 +88,7 @@ def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[Ru
     check_backends(wandb_project=cfg.train.wandb_project, tensorboard_dir=cfg.train.tensorboard_dir)
     ds = finalize_ds_config(ds, cfg)
     offloaded = [w for w in ("optimizer", "param") if offload_device(ds, w)]
-    if cfg.train.use_precision_aware_optimizer and ("optimizer" in offloaded or "optimizer" in ds):
-        why = "offloads the optimizer to DeepSpeed's CPU Adam" if "optimizer" in offloaded else "names its own optimizer"
-        raise ConfigError(f"--use-precision-aware-optimizer needs hybridlm's AdamW, and {cfg.train.deepspeed_config} {why}.")
+    check_optimizer_choice(cfg.train, ds, offloaded)
     if cfg.model.cuda_graphs and offloaded:
         raise ConfigError(f"--cuda-graphs cannot be combined with offload_{offloaded[0]} (in {cfg.train.deepspeed_config}): "
                           "captured graphs with offloaded ZeRO state have not been checked.")
