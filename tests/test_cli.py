@@ -44,18 +44,20 @@ def _assert_same_losses(want: list[float], path, layout: str) -> None:
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: {layout} loss {b} != single-process {a}"
 
 
-def test_deepspeed_launcher_tp2_cp2_gives_the_single_process_losses_and_logs_every_metric(tmp_path, single_process_losses):
-    # One 4-rank launch for what only a launch can show: the launcher's environment, the flags as typed, the metrics
-    # file. TP x CP x SP here; PP under a launcher: test_megatron_scripts.py (torchrun). The layouts themselves
-    # (TP2 x PP2, CP4 a2a under ZeRO-3, PP2 x CP2 allgather, ...): test_oracle.py, test_context_parallel.py, forked.
-    layout = ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    split = _launch(["--num_gpus", "4", *COMMON, *layout, "--metrics-file", str(tmp_path / "cp.jsonl")])
+def test_deepspeed_launcher_cp2_gives_the_single_process_losses_and_logs_every_metric(tmp_path, single_process_losses):
+    # One 2-rank launch for what only a launch can show: the launcher's environment, the flags as typed, the metrics
+    # file. CP here: each rank holds half of every sample, the case where counting a step's tokens and FLOPs per GPU
+    # can go wrong (two ranks show it as four would). PP under a launcher: test_megatron_scripts.py (torchrun); four
+    # launched ranks (TP2 x DP2): test_mpi.py (mpirun). The layouts themselves (TP2 x CP2 x SP, TP2 x PP2, CP4 a2a
+    # under ZeRO-3, PP2 x CP2 allgather, ...): test_oracle.py, test_context_parallel.py, forked.
+    layout = ["--context-parallel-size", "2"]
+    split = _launch(["--num_gpus", "2", *COMMON, *layout, "--metrics-file", str(tmp_path / "cp.jsonl")])
     assert split.returncode == 0, split.stderr[-3000:]
-    assert "CP=2" in split.stdout and "TP=2" in split.stdout
+    assert "CP=2" in split.stdout and "DP=1" in split.stdout
     _assert_same_losses(single_process_losses, tmp_path / "cp.jsonl", " ".join(layout))
     record = json.loads(open(tmp_path / "cp.jsonl").readline())
     assert {"iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu"} <= set(record)
-    _assert_flops_count_every_token_once(tmp_path / "cp.jsonl", world=4)
+    _assert_flops_count_every_token_once(tmp_path / "cp.jsonl", world=2)
 
 
 def _assert_flops_count_every_token_once(path, world: int) -> None:

@@ -1,6 +1,6 @@
 """The sbatch templates against a real Slurm (slurmctld + slurmd + munged on this machine,
-started by tests/slurm_cluster.py): tiny-cpu.sbatch trains 2 CPU ranks to the end; the exit
-signal checkpoints, requeues, and the requeued job resumes; the GPU templates pass
+started by tests/slurm_cluster.py): tiny-cpu.sbatch trains 2 CPU ranks to the end, and on the way
+its exit signal checkpoints, requeues, and the requeued job resumes (one job shows both); the GPU templates pass
 ``sbatch --test-only`` with their resources shrunk to this machine, and render (DRY_RUN=1)
 into a pretrain command line that validates for the layout's world size."""
 from __future__ import annotations
@@ -57,21 +57,9 @@ def _finished(fields: dict) -> bool:
 
 @needs_slurm
 @pytest.mark.slow
-def test_tiny_cpu_sbatch_trains_two_ranks_to_completion(slurm, tmp_path):
-    job = _submit_tiny(slurm, tmp_path, train_iters=6)
-    fields = slurm.wait_until(job, _finished, 240, "the job to finish")
-    log = (tmp_path / "job.out").read_text()
-    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
-    assert "DP=2" in log  # two ranks, one per Slurm task
-    records = _metrics(tmp_path)
-    assert [r["iteration"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert all(r["loss"] > 0 for r in records) and records[-1]["loss"] < records[0]["loss"]
-    assert (tmp_path / "run" / "latest").read_text() == "global_step6"
-
-
-@needs_slurm
-@pytest.mark.slow
-def test_the_exit_signal_checkpoints_requeues_and_the_requeued_job_resumes(slurm, tmp_path):
+def test_tiny_cpu_sbatch_trains_two_ranks_and_on_the_exit_signal_checkpoints_requeues_and_resumes_to_the_end(slurm, tmp_path):
+    # One job for both: the template's two ranks train to the last iteration (which the requeued run reaches), and the
+    # exit signal on the way saves, requeues and resumes (a job of its own for the first alone cost ~12 s more).
     total = 40
     job = _submit_tiny(slurm, tmp_path, train_iters=total)
     deadline = time.monotonic() + 180
@@ -92,8 +80,12 @@ def test_the_exit_signal_checkpoints_requeues_and_the_requeued_job_resumes(slurm
     saved = int(re.search(r"SIGUSR1 received: saved global_step(\d+)", log).group(1))
     assert saved < total and f"requeueing job {job}" in log and "(restart 1)" in log
     assert (tmp_path / "run" / f"global_step{saved}").is_dir()
+    assert log.count("DP=2") == 2  # two ranks, one per Slurm task, in the first run and the requeued one
     # One metrics file over both runs: the first logged 1..saved, the requeued one saved+1..total.
-    assert [r["iteration"] for r in _metrics(tmp_path)] == list(range(1, total + 1))
+    records = _metrics(tmp_path)
+    assert [r["iteration"] for r in records] == list(range(1, total + 1))
+    assert all(r["loss"] > 0 for r in records) and records[-1]["loss"] < records[0]["loss"]
+    assert (tmp_path / "run" / "latest").read_text() == f"global_step{total}"
 
 
 @needs_slurm

@@ -72,6 +72,14 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts, grouped: bool) 
         counts = torch.as_tensor(counts, device=x.device)
         offsets = counts.cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets))
+    return _expert_loop(x, weight, counts)
+
+
+@torch.compiler.disable
+def _expert_loop(x: torch.Tensor, weight: torch.Tensor, counts) -> torch.Tensor:
+    """One matmul per expert, always eager. Under torch.compile the row counts (data, read on the host) would become
+    the graph's shapes: dynamo recompiled this loop for each new split of the rows (about once per layer and step,
+    each recompile costing more than the loop's matmuls gain from a graph). Eager, it runs the same aten ops."""
     sizes = counts.tolist() if torch.is_tensor(counts) else list(counts)
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(sizes), weight)])
 
