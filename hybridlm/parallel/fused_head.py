@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .state import GroupHandle
-from .tensor_parallel import IGNORE_INDEX
+from .tensor_parallel import vocab_shard_targets
 _CHUNK_ELEMENTS = 1 << 26  # logits of one chunk (rows x this rank's vocabulary): 256 MiB in fp32
 
 
@@ -70,17 +70,12 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, tp, vocab_size, divisor):
         per_rank, width = weight.shape
-        start = tp.rank * per_rank
-        valid = min(per_rank, max(0, vocab_size - start))
         compute = torch.promote_types(hidden.dtype, torch.float32)
-        flat, target = hidden.reshape(-1, width), target.reshape(-1)
-        ignored = target == IGNORE_INDEX
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= valid) | ignored
-        local_target = local_target.masked_fill(outside, 0)
-        local_max = torch.full(target.shape, float("-inf"), device=hidden.device, dtype=compute)
-        local_sum = torch.zeros(target.shape, device=hidden.device, dtype=compute)
-        target_logit = torch.zeros(target.shape, device=hidden.device, dtype=compute)
+        flat = hidden.reshape(-1, width)
+        valid, local_target, outside, ignored = vocab_shard_targets(target.reshape(-1), tp.rank, per_rank, vocab_size)
+        local_max = torch.full(local_target.shape, float("-inf"), device=hidden.device, dtype=compute)
+        local_sum = torch.zeros(local_target.shape, device=hidden.device, dtype=compute)
+        target_logit = torch.zeros(local_target.shape, device=hidden.device, dtype=compute)
         if valid:
             rows_weight = weight[:valid]
             for rows in _chunks(flat.shape[0], valid):

@@ -230,16 +230,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp, vocab_size):
         per_rank = logits.shape[-1]
-        start = tp.rank * per_rank
-        valid = min(per_rank, max(0, vocab_size - start))  # this rank's real columns
         compute = torch.promote_types(logits.dtype, torch.float32)
-        flat, target = logits.reshape(-1, per_rank), target.reshape(-1)
-        ignored = target == IGNORE_INDEX
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= valid) | ignored
-        local_target = local_target.masked_fill(outside, 0)
-        local_max = torch.full(target.shape, float("-inf"), device=logits.device, dtype=compute)
-        target_logit = torch.zeros(target.shape, device=logits.device, dtype=compute)
+        flat = logits.reshape(-1, per_rank)
+        valid, local_target, outside, ignored = vocab_shard_targets(target.reshape(-1), tp.rank, per_rank, vocab_size)
+        local_max = torch.full(local_target.shape, float("-inf"), device=logits.device, dtype=compute)
+        target_logit = torch.zeros(local_target.shape, device=logits.device, dtype=compute)
         for rows in _row_chunks(flat.shape[0], valid):  # a rank holding only padding has nothing to visit
             part = flat[rows, :valid].to(compute)
             local_max[rows] = part.max(dim=-1).values
@@ -273,6 +268,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -(~outside[rows]).to(part.dtype).unsqueeze(-1))
             grad[rows, :valid] = part.mul_(grad_loss[rows].to(part.dtype).unsqueeze(-1))
         return grad.view(logits.shape), None, None, None
+
+
+def vocab_shard_targets(target: torch.Tensor, rank: int, per_rank: int, vocab_size: int):
+    """Where flat full-vocabulary targets fall in TP rank ``rank``'s ``per_rank`` columns: (the rank's real columns,
+    each target's column here (0 where it is not here), not here or ignored, ignored)."""
+    start = rank * per_rank
+    valid = min(per_rank, max(0, vocab_size - start))  # columns from vocab_size on are padding
+    ignored = target == IGNORE_INDEX
+    local_target = target - start
+    outside = (local_target < 0) | (local_target >= valid) | ignored
+    return valid, local_target.masked_fill(outside, 0), outside, ignored
 
 
 _CHUNK_ELEMENTS = 1 << 26  # entries of one fp32 chunk of the cross-entropy (256 MiB)
