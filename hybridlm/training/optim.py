@@ -114,7 +114,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, 
     groups = param_groups(model, cfg.weight_decay, cfg.decoupled_lr, cfg.decoupled_min_lr)
     if any(is_moe_param(p) for p in model.parameters()):
         groups = split_params_into_different_moe_groups_for_optimizer(groups)  # ZeRO shards these over expert-DP
-    kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    # lr 0 until the schedule sets each group's rate (WarmupDecayLR, built after the optimizer): a step DeepSpeed takes
+    # while it wraps the optimizer moves nothing (``drop_startup_step``)
+    kwargs = dict(lr=0.0, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     impl = cfg.optimizer_impl
     if impl == "auto":
         impl = "deepspeed_cpu" if offloading and on_gpu else "torch"
@@ -128,6 +130,19 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, ps, *, zero_stage: int, 
     if zero_stage == 0 and not (cfg.bf16 or cfg.fp16):
         return ClippingAdamW(groups, model=model, ps=ps, clip=cfg.clip_grad, fused=fused, **kwargs), True
     return torch.optim.AdamW(groups, fused=fused, **kwargs), False
+
+
+def drop_startup_step(engine) -> None:
+    """DeepSpeed's ZeRO-0 half-precision optimizers (FP16_Optimizer, FP16_UnfusedOptimizer: fp16, or bf16 at PP=1)
+    call the client optimizer's step once with zero gradients as they wrap it, to create its state. For AdamW that
+    step counts: every later bias correction was one step late (the first update 0.73 x the learning rate at betas
+    0.9/0.95, converging over ~1/(1 - beta2) steps), and the weight decay of that step, at the constructor's rate,
+    reached the master weights. Built with rate 0 (``build_optimizer``), the step moved nothing; its state is dropped
+    here, so that AdamW's first step is step 1, as under ZeRO-1/2/3 and in Megatron-LM."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    if isinstance(engine.optimizer, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        engine.optimizer.optimizer.state.clear()
 
 
 class WarmupDecayLR:

@@ -47,7 +47,7 @@ from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .monitor import Monitor, check_config as check_monitor_config
 from .moe_metrics import collect_moe_stats, tracker_metrics
-from .optim import WarmupDecayLR, build_optimizer, check_optimizer_choice, continue_schedule
+from .optim import WarmupDecayLR, build_optimizer, check_optimizer_choice, continue_schedule, drop_startup_step
 from .checkpoint_io import CheckpointSaveFailed
 from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Interrupted, Preempted
 from .profiling import StepProfiler
@@ -238,6 +238,7 @@ def start_engine(cfg: RunConfig, ds_config: dict, model, ps: ParallelState):
         model=model, optimizer=optimizer, config=ds_config,
         model_parameters=None if optimizer is not None else [q for q in model.parameters() if q.requires_grad],
         lr_scheduler=lambda opt: WarmupDecayLR.from_config(opt, t), mpu=None if p.pipeline_model_parallel_size > 1 else ps)
+    drop_startup_step(engine)
     return engine
 
 
