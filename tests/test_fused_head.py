@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run_ranks
-from hybridlm.parallel import fused_head
+from hybridlm.parallel import tensor_parallel
 from hybridlm.parallel.fused_head import HeadLogits, fused_head_cross_entropy
 from hybridlm.parallel.state import SINGLE
 from hybridlm.parallel.tensor_parallel import IGNORE_INDEX
@@ -52,7 +52,7 @@ def _fused(hidden, weight, target, temperature=1.0, tp=SINGLE, vocab=VOCAB):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_rows", [1, 4, 100])
 def test_fused_head_gives_the_losses_and_gradients_of_the_head_and_loss_apart(monkeypatch, temperature, chunk_rows):
-    monkeypatch.setattr(fused_head, "_CHUNK_ELEMENTS", chunk_rows * VOCAB)  # one row a chunk .. all rows in one
+    monkeypatch.setattr(tensor_parallel, "_CHUNK_ELEMENTS", chunk_rows * VOCAB)  # one row a chunk .. all rows in one
     hidden, weight, target = _case(1)
     want, got = _unfused(hidden, weight, target, temperature), _fused(hidden, weight, target, temperature)
     for name, a, b in zip(("loss", "hidden grad", "weight grad"), got, want):

@@ -306,9 +306,6 @@ def _precision_aware_optimizer(cfg) -> Optional[str]:
     if t.use_precision_aware_optimizer and not (t.bf16 or t.fp16):
         raise ConfigError("--use-precision-aware-optimizer needs --bf16 or --fp16: it narrows the moments beside fp32 master "
                           "weights, which an fp32 run does not keep.")
-    if t.use_precision_aware_optimizer and t.optimizer_impl == "deepspeed_cpu":
-        raise ConfigError("--use-precision-aware-optimizer cannot be combined with --optimizer-impl deepspeed_cpu: "
-                          "DeepSpeed's CPU Adam keeps fp32 moments.")
     if t.use_precision_aware_optimizer and not narrowed:
         return "--use-precision-aware-optimizer: the moments stay fp32 (--exp-avg-dtype / --exp-avg-sq-dtype fp32)"
     return None

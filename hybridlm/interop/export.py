@@ -21,12 +21,12 @@ from typing import Callable, Optional
 import torch
 
 from ..config import ConfigError
+from ..parallel.quantized import DTYPES
 from .hf_names import HF_CLASSES, export_architecture, hf_config, parameter_rules
 from .layout import resolve_tag_dir, staged_folder
 from .lora import MergedWeights, lora_scale, open_checkpoint
 from .tokenizer_files import write_tokenizer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

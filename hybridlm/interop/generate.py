@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ..model.generation import Completions, Generator, KVCache, Sampling, filter_logits  # noqa: F401 - the script's names
 from ..model.specs import build_model
 from ..parallel.plan import LayerFactory, ModelGroups
-from ..parallel.quantized import load_quantized
+from ..parallel.quantized import DTYPES, load_quantized
 from ..parallel.state import GroupHandle
 from .layout import resolve_tag_dir, vocab_parameters
 from .lora import open_checkpoint
@@ -86,7 +86,7 @@ def generate_from_flags(args) -> int:
         return 2
     init_distributed(timeout_minutes=10)
     ps = ParallelState(tp=dist.get_world_size())
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype)
+    dtype = DTYPES.get(args.dtype)
     generator, _, _ = load_for_generation(args.checkpoint, ps.tp, device(), dtype)
     sampling = Sampling(greedy=not args.sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     eos = None if args.ignore_eos or tokenizer is None else tokenizer.eod

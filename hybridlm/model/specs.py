@@ -83,6 +83,8 @@ class SequentialModel(nn.Module):
                 self.add_module(str(index), module)
                 self.forward_funcs.append(module)
         self.layer_steps = LayerSteps(self.forward_funcs, context)
+        # where the loss computes the logits itself, chunk by chunk (GRPOLoss), the head hands it HeadLogits instead
+        self.head_logits = _head_logits(self.forward_funcs[-1]) if getattr(loss_fn, "fused_head", False) else None
 
     def forward(self, inputs, labels=None):
         """``inputs``: tokens, or (tokens, position ids) when the batch carries them; ``labels``: what the loss takes."""
@@ -103,8 +105,7 @@ class SequentialModel(nn.Module):
             x, labels = select(x, labels)
         if labels is None:
             return head(x)
-        lazy = _head_logits(head) if getattr(self.loss_fn, "fused_head", False) else None
-        logits = lazy(x) if lazy is not None else None  # the loss computes them, chunk by chunk (GRPOLoss)
+        logits = self.head_logits(x) if self.head_logits is not None else None  # None: a TE or LoRA head
         return self.loss_fn(head(x) if logits is None else logits, labels)
 
 

@@ -25,8 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .state import GroupHandle
-from .tensor_parallel import vocab_shard_targets
-_CHUNK_ELEMENTS = 1 << 26  # logits of one chunk (rows x this rank's vocabulary): 256 MiB in fp32
+from .tensor_parallel import row_chunks, vocab_shard_targets
 
 
 @dataclass(frozen=True)
@@ -40,21 +39,6 @@ class HeadLogits:
 
     def __truediv__(self, temperature: float) -> "HeadLogits":
         return replace(self, divisor=self.divisor * temperature)
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((*self.hidden.shape[:-1], self.weight.shape[0]))
-
-    def materialize(self) -> torch.Tensor:
-        """The logits themselves (what the unfused head computes): for a caller that needs every one."""
-        logits = F.linear(self.hidden, self.weight)
-        return logits if self.divisor == 1.0 else logits / self.divisor
-
-
-def _chunks(rows: int, columns: int):
-    step = max(1, _CHUNK_ELEMENTS // max(columns, 1))
-    for first in range(0, rows, step):
-        yield slice(first, min(first + step, rows))
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, divisor: float) -> torch.Tensor:
@@ -76,13 +60,11 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         local_max = torch.full(local_target.shape, float("-inf"), device=hidden.device, dtype=compute)
         local_sum = torch.zeros(local_target.shape, device=hidden.device, dtype=compute)
         target_logit = torch.zeros(local_target.shape, device=hidden.device, dtype=compute)
-        if valid:
-            rows_weight = weight[:valid]
-            for rows in _chunks(flat.shape[0], valid):
-                part = _logits(flat[rows], rows_weight, divisor).to(compute)
-                local_max[rows] = part.max(dim=-1).values
-                target_logit[rows] = part.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
-                local_sum[rows] = part.sub_(local_max[rows].unsqueeze(-1)).exp_().sum(dim=-1)
+        for rows in row_chunks(flat.shape[0], valid):  # a rank holding only padding has nothing to visit
+            part = _logits(flat[rows], weight[:valid], divisor).to(compute)
+            local_max[rows] = part.max(dim=-1).values
+            target_logit[rows] = part.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
+            local_sum[rows] = part.sub_(local_max[rows].unsqueeze(-1)).exp_().sum(dim=-1)
         target_logit.masked_fill_(outside, 0.0)
         if tp.size > 1:
             global_max = local_max.clone()
@@ -93,7 +75,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         else:
             sum_exp = local_sum
         loss = (sum_exp.log() - (target_logit - local_max)).masked_fill_(ignored, 0.0)
-        ctx.valid, ctx.divisor, ctx.tp = valid, divisor, tp
+        ctx.valid, ctx.divisor = valid, divisor
         ctx.save_for_backward(hidden, weight, local_max, sum_exp, local_target, outside, ignored)
         return loss.view(hidden.shape[:-1])
 
@@ -105,18 +87,17 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.reshape(-1).masked_fill(ignored, 0.0)
         grad_hidden = torch.zeros_like(flat)
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.promote_types(weight.dtype, torch.float32))
-        if valid:
-            rows_weight = weight[:valid]
-            for rows in _chunks(flat.shape[0], valid):  # the softmax as forward computed it, then the head's two GEMMs
-                part = _logits(flat[rows], rows_weight, divisor).to(local_max.dtype)
-                part.sub_(local_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
-                part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -(~outside[rows]).to(part.dtype).unsqueeze(-1))
-                part.mul_(grad_loss[rows].to(part.dtype).unsqueeze(-1))
-                grad_logits = part.to(hidden.dtype)
-                if divisor != 1.0:  # d(l / T) = dl / T, as autograd divides the logits' gradient
-                    grad_logits = grad_logits / divisor
-                grad_hidden[rows] = grad_logits @ rows_weight
-                grad_weight[:valid] += (grad_logits.t() @ flat[rows]).to(grad_weight.dtype)
+        rows_weight = weight[:valid]
+        for rows in row_chunks(flat.shape[0], valid):  # the softmax as forward computed it, then the head's two GEMMs
+            part = _logits(flat[rows], rows_weight, divisor).to(local_max.dtype)
+            part.sub_(local_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
+            part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -(~outside[rows]).to(part.dtype).unsqueeze(-1))
+            part.mul_(grad_loss[rows].to(part.dtype).unsqueeze(-1))
+            grad_logits = part.to(hidden.dtype)
+            if divisor != 1.0:  # d(l / T) = dl / T, as autograd divides the logits' gradient
+                grad_logits = grad_logits / divisor
+            grad_hidden[rows] = grad_logits @ rows_weight
+            grad_weight[:valid] += (grad_logits.t() @ flat[rows]).to(grad_weight.dtype)
         return grad_hidden.view(hidden.shape), grad_weight.to(weight.dtype), None, None, None, None
 
 

@@ -38,7 +38,7 @@ from ..config.model import QUANT_BLOCK
 from .lora import TARGET_MODULES
 from .state import GroupHandle
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the flags' dtype names (also export's, the optimizer's)
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid, local_target, outside, ignored = vocab_shard_targets(target.reshape(-1), tp.rank, per_rank, vocab_size)
         local_max = torch.full(local_target.shape, float("-inf"), device=logits.device, dtype=compute)
         target_logit = torch.zeros(local_target.shape, device=logits.device, dtype=compute)
-        for rows in _row_chunks(flat.shape[0], valid):  # a rank holding only padding has nothing to visit
+        for rows in row_chunks(flat.shape[0], valid):  # a rank holding only padding has nothing to visit
             part = flat[rows, :valid].to(compute)
             local_max[rows] = part.max(dim=-1).values
             target_logit[rows] = part.gather(-1, local_target[rows].unsqueeze(-1)).squeeze(-1)
@@ -243,7 +243,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if tp.size > 1:
             dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp.group)
         sum_exp = torch.zeros_like(local_max)
-        for rows in _row_chunks(flat.shape[0], valid):
+        for rows in row_chunks(flat.shape[0], valid):
             sum_exp[rows] = (flat[rows, :valid].to(compute) - local_max[rows].unsqueeze(-1)).exp_().sum(dim=-1)
         if tp.size > 1:
             both = torch.stack([target_logit, sum_exp])
@@ -263,7 +263,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.reshape(-1).masked_fill(ignored, 0.0)
         grad = torch.empty_like(flat)
         grad[:, valid:] = 0.0
-        for rows in _row_chunks(flat.shape[0], valid):  # the softmax, computed as the forward computed it
+        for rows in row_chunks(flat.shape[0], valid):  # the softmax, computed as the forward computed it
             part = (flat[rows, :valid].to(local_max.dtype) - local_max[rows].unsqueeze(-1)).exp_().div_(sum_exp[rows].unsqueeze(-1))
             part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -(~outside[rows]).to(part.dtype).unsqueeze(-1))
             grad[rows, :valid] = part.mul_(grad_loss[rows].to(part.dtype).unsqueeze(-1))
@@ -284,8 +284,9 @@ def vocab_shard_targets(target: torch.Tensor, rank: int, per_rank: int, vocab_si
 _CHUNK_ELEMENTS = 1 << 26  # entries of one fp32 chunk of the cross-entropy (256 MiB)
 
 
-def _row_chunks(rows: int, columns: int):
-    """Slices of rows covering ``rows`` in chunks of about ``_CHUNK_ELEMENTS`` entries (none when no column)."""
+def row_chunks(rows: int, columns: int):
+    """Slices of rows covering ``rows`` in chunks of about ``_CHUNK_ELEMENTS`` entries (none when no column): the
+    cross-entropies' unit of fp32 work (also ``fused_head``'s)."""
     if columns == 0:
         return
     step = max(1, _CHUNK_ELEMENTS // columns)

@@ -18,7 +18,6 @@ import math
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CHUNK = 1 << 24  # elements of one moment's fp32 copy in the step (64 MiB)
 
 
@@ -55,7 +54,7 @@ class MomentDtypeAdamW(torch.optim.Optimizer):
                 step = float(state["step"])
                 correction1, correction2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
                 p.mul_(1.0 - lr * decay)
-                param, grad = p.view(-1), p.grad.view(-1)
+                param, grad = p.view(-1), p.grad.reshape(-1)
                 exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
                 for first in range(0, param.numel(), _CHUNK):
                     part = slice(first, first + _CHUNK)

@@ -15,7 +15,8 @@ from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_gr
 from torch import nn
 
 from ..config import ConfigError, TrainConfig
-from .moment_adamw import DTYPES, MomentDtypeAdamW
+from ..parallel.quantized import DTYPES
+from .moment_adamw import MomentDtypeAdamW
 
 
 def param_groups(model: nn.Module, weight_decay: float, decoupled_lr: float | None = None,
@@ -104,6 +105,9 @@ class ClippingAdamW(torch.optim.AdamW):
 
 def check_optimizer_choice(cfg: TrainConfig, ds: dict, offloaded: list[str]) -> None:
     """--use-precision-aware-optimizer needs the optimizer built here: not one the JSON names or DeepSpeed's CPU Adam."""
+    if cfg.use_precision_aware_optimizer and cfg.optimizer_impl == "deepspeed_cpu":
+        raise ConfigError("--use-precision-aware-optimizer cannot be combined with --optimizer-impl deepspeed_cpu: "
+                          "DeepSpeed's CPU Adam keeps fp32 moments.")
     if cfg.use_precision_aware_optimizer and ("optimizer" in offloaded or "optimizer" in ds):
         why = "offloads the optimizer to DeepSpeed's CPU Adam" if "optimizer" in offloaded else "names its own optimizer"
         raise ConfigError(f"--use-precision-aware-optimizer needs hybridlm's AdamW, and {cfg.deepspeed_config} {why}.")

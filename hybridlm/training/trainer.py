@@ -380,7 +380,6 @@ def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit) -> list[dict]:
             end = f"{flag} {t.train_samples}, {t.train_iters} iterations" if samples else f"{flag} {t.train_iters}"
             print(f"hybridlm: --load {t.load} is at iteration {run.iteration}, at or past this run's end ({end}): nothing to "
                   f"train; raise {flag} to train further.", flush=True)
-        early_exit.restore()
         return []
     log = StepLog(cfg.model, world_size=dist.get_world_size(), tokens_per_step=run.tokens_per_step,
                   peak=peak_tflops(t.peak_tflops), metrics_file=t.metrics_file, enabled=rank0)
@@ -467,7 +466,6 @@ def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit) -> list[dict]:
     collector.close()
     close_all(trackers)
     log.close()
-    early_exit.restore()
     if run.iteration < t.train_iters and early_exit.stopped_by:
         raise Interrupted(f"{early_exit.stopped_by} received: saved {checkpoint.tag_for(run.iteration)} to {t.save} and stopped at "
                           f"iteration {run.iteration} of {t.train_iters}; continue with --load {t.save}",
