@@ -50,7 +50,7 @@ class Case:
     warmup: int = 6  # untimed steps before them
     peers: tuple[str, ...] = ()  # run beside hybridlm, in this order
     figures: tuple[str, ...] = TRAIN_FIGURES  # the columns the case fills in its suite's table
-    readme: bool = False  # a row of the README's headline table
+    readme: bool = False  # a row of the README's headline table (a curve case: rows of its layouts table)
     expected_s: int = 150  # one run's usual wall time, start-up included: what --budget-s plans with
     timeout_s: int = 360  # one run's limit
     script: tuple[str, ...] = ()  # a helper's argv (it takes --record-file) instead of scripts/benchmark.py
@@ -107,7 +107,7 @@ def _plan(name: str, gpus: int, label: str, *flags: str, model: str = "reference
 
 
 def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str, ...] = (), extra: tuple[str, ...] = (),
-           expected_s: int = 0) -> Case:
+           expected_s: int = 0, readme: bool = True) -> Case:
     """benchmarks/curves.py's 200-step loss curves of layouts against one rank: the dense model for the scaling
     suite, the MoE one for the moe suite; on ``gpus`` GPUs (4: each of ``layouts``, 50-170 s a four-GPU run with its
     start-up on H200s, ``expected_s`` the whole case; a one-GPU rounding-only control runs beside the reference), or
@@ -118,7 +118,7 @@ def _curve(name: str, suite: str, label: str, gpus: int = 0, layouts: tuple[str,
     four = [n for n in layouts if not n.startswith("1gpu")]
     timing = dict(expected_s=expected_s or 120 * (len(four) + 1), timeout_s=560) if layouts else (
         dict(expected_s=500, timeout_s=580) if gpus else dict(expected_s=900, timeout_s=1800))
-    return Case(name, suite, label, gpus=gpus, figures=("max windowed loss gap", "verdict"), launcher="python",
+    return Case(name, suite, label, gpus=gpus, figures=("max windowed loss gap", "verdict"), launcher="python", readme=readme,
                 script=("benchmarks/curves.py", kind) + on_gpus + chosen + extra, **timing)
 
 
@@ -194,7 +194,7 @@ CASES = (
            expected_s=480),
     _curve("curve-moe-4gpu-fp32-grads", "moe", "the same model and layouts (and DP=4 without EP), gradients accumulated "
            "and reduced in fp32 (Megatron-LM's bf16 default)", gpus=4, layouts=("1gpu-mb1", "dp4", "ep2-dp2", "ep2-cp2"),
-           extra=("--fp32-grads",)),
+           extra=("--fp32-grads",), readme=False),
     Case("moe-same-weights", "moe", "the same Mixtral-style model: from one GPU's weights of iteration 60, one step of "
          "1 GPU (bf16, fp32, micro-batches of 1), DP=4, EP=2 x DP=2, EP=2 x CP=2, EP=4 and EP=2 x TP=2 SP", gpus=4,
          launcher="python", script=("benchmarks/same_weights.py", "--model", "moe", "--steps", "0"), expected_s=330,

@@ -1,4 +1,4 @@
-"""RESULTS.md, the README's headline table and the plot, rendered from the records.
+"""RESULTS.md, the README's headline and layouts tables and the plots, rendered from the records.
 
 Nothing here measures: every figure comes from a record (benchmarks/records/*.jsonl), and
 ``python -m benchmarks render --check`` (a test runs it) fails when RESULTS.md or the README's
@@ -19,6 +19,9 @@ PLOT = os.path.join(HERE, "headline.png")
 CURVES = os.path.join(HERE, "curves.png")
 BEGIN = "<!-- headline table: rendered by `python -m benchmarks render` from benchmarks/records/ (do not edit by hand) -->"
 END = "<!-- end of the headline table -->"
+LAYOUTS_BEGIN = ("<!-- layouts table: rendered by `python -m benchmarks render` from benchmarks/records/ "
+                 "(do not edit by hand) -->")
+LAYOUTS_END = "<!-- end of the layouts table -->"
 RULES = {"current": "new", "re-derived (new rule)": "re-derived", "old rule": "old"}
 
 INTRO = """# Benchmark results
@@ -270,6 +273,46 @@ def readme_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _gap(record: dict) -> str:
+    return record.get("figures", {}).get("max windowed loss gap", "").split(" (")[0]
+
+
+def _run(record: dict) -> str:
+    return ", ".join(str(record[k]) for k in ("date", "device", "commit") if record.get(k))
+
+
+def layouts_table(records: list[dict]) -> str:
+    """The README's account of which layouts were checked against one GPU: for each README curve case, the newest
+    record of each layout it runs (its largest gap of 10-step means and its verdict) beside the rounding-only
+    control of the same call, with the run's date, machine and commit; a layout with no record says so, with the
+    command that makes one."""
+    from .curves import LAYOUTS_4GPU, ONE_GPU_LAYOUTS
+    newest: dict[tuple, dict] = {}
+    for r in newest_first([r for r in records if r.get("figures", {}).get("max windowed loss gap")]):
+        newest.setdefault((r.get("case"), (r.get("curve") or {}).get("layout")), r)
+    lines = [LAYOUTS_BEGIN, "", "| case | layout | gap | rounding-only control, same call | verdict | run |",
+             "|---|---|---|---|---|---|"]
+    for case in (c for c in CASES if c.readme and "benchmarks/curves.py" in c.script):
+        kind, first = case.script[1], f"`{case.name}`"
+        names = case.script[case.script.index("--layouts") + 1].split(",") if "--layouts" in case.script else [None]
+        for name in (n for n in names if n not in ONE_GPU_LAYOUTS[kind]):
+            r = newest.get((case.name, name))
+            if r is None:
+                words = LAYOUTS_4GPU[kind][name][1] if name else case.label
+                lines.append(f"| {first} | {words} | | | no record | `python -m benchmarks run --cases {case.name}` |")
+            else:
+                control = [c for (n, layout), c in newest.items() if n == case.name
+                           and layout in ONE_GPU_LAYOUTS[kind] and c.get("call") == r.get("call")]
+                control_text = (f"{_gap(control[0])} ({ONE_GPU_LAYOUTS[kind][control[0]['curve']['layout']][1]})"
+                                .replace(" (rounding only)", "") if control else "none")
+                layout = r.get("label", "").partition(": ")[2].split(" vs 1 ")[0]
+                lines.append(f"| {first} | {layout} | {_gap(r)} | {control_text} | "
+                             f"{r['figures'].get('verdict', 'not recorded')} | {_run(r)} |")
+            first = ""
+    lines += ["", LAYOUTS_END]
+    return "\n".join(lines)
+
+
 def plot(records: list[dict], path: str = PLOT) -> list[tuple[str, str, float, Optional[float]]]:
     """Tokens/s and MFU per README case beside its peers, as a PNG; returns the bars drawn."""
     import matplotlib
@@ -296,12 +339,17 @@ def plot(records: list[dict], path: str = PLOT) -> list[tuple[str, str, float, O
     return bars
 
 
-def spliced_readme(text: str, table: str) -> str:
+def spliced_readme(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
     """The README with the text between the markers replaced by ``table`` (ValueError without the markers)."""
-    start, stop = text.find(BEGIN), text.find(END)
+    start, stop = text.find(begin), text.find(end)
     if start < 0 or stop < start:
-        raise ValueError(f"README.md has no headline-table markers ({BEGIN!r} ... {END!r}).")
-    return text[:start] + table + text[stop + len(END):]
+        raise ValueError(f"README.md has no table markers ({begin!r} ... {end!r}).")
+    return text[:start] + table + text[stop + len(end):]
+
+
+def rendered_readme(text: str, records: list[dict]) -> str:
+    """The README with both rendered tables in place."""
+    return spliced_readme(spliced_readme(text, readme_table(records)), layouts_table(records), LAYOUTS_BEGIN, LAYOUTS_END)
 
 
 def stale(records: list[dict]) -> list[str]:
@@ -313,7 +361,7 @@ def stale(records: list[dict]) -> list[str]:
     out = []
     if results != results_markdown(records):
         out.append(RESULTS)
-    if readme != spliced_readme(readme, readme_table(records)):
+    if readme != rendered_readme(readme, records):
         out.append(README)
     return out
 
@@ -324,7 +372,7 @@ def write(records: list[dict], with_plot: bool = True) -> list[str]:
     with open(README) as f:
         readme = f.read()
     with open(README, "w") as f:
-        f.write(spliced_readme(readme, readme_table(records)))
+        f.write(rendered_readme(readme, records))
     written = [RESULTS, README]
     if with_plot:
         plot(records)

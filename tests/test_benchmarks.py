@@ -66,6 +66,26 @@ def test_a_ratio_comes_from_the_same_call_or_says_it_does_not():
     assert render.ratio(stored[0], stored) == ""
 
 
+def _curve_record(call, layout, gap, verdict, label):
+    return {"call": call, "case": "curve-dense-4gpu-c", "suite": "scaling", "system": "hybridlm", "date": "2026-11-30",
+            "time": f"2026-11-30T{call}", "device": "4x H200", "commit": "abc1234", "status": "ok",
+            "label": f"Llama-style d1024 L10: {label} vs 1 GPU, bf16", "curve": {"layout": layout},
+            "figures": {"max windowed loss gap": f"{gap} (window 10, after step 10)", "verdict": verdict}}
+
+
+def test_the_layouts_table_shows_each_layouts_newest_gap_beside_its_own_calls_control_and_names_the_missing():
+    stored = [_curve_record("01", "cp4-p2p", "0.90%", "tracks", "CP=4 p2p"),
+              _curve_record("01", "1gpu-mb2", "0.80%", "rounding-only control", "1 GPU, micro-batches of 2 (rounding only)"),
+              _curve_record("02", "cp4-p2p", "0.53%", "tracks", "CP=4 p2p"),
+              _curve_record("02", "1gpu-mb2", "0.47%", "rounding-only control", "1 GPU, micro-batches of 2 (rounding only)")]
+    rows = [line for line in render.layouts_table(stored).splitlines() if "curve-dense-4gpu-c" in line or "CP=4" in line]
+    assert rows[0] == ("| `curve-dense-4gpu-c` | CP=4 p2p | 0.53% | 0.47% (1 GPU, micro-batches of 2) | tracks | "
+                       "2026-11-30, 4x H200, abc1234 |")
+    assert rows[1] == "|  | CP=4 a2a | | | no record | `python -m benchmarks run --cases curve-dense-4gpu-c` |"
+    readme = render.rendered_readme(f"x {render.BEGIN}{render.END} {render.LAYOUTS_BEGIN}old{render.LAYOUTS_END}", stored)
+    assert rows[0] in readme and "old" not in readme
+
+
 def test_figures_are_rederived_by_the_current_rule_and_say_which_rule():
     args = ["--model", "reference", "--bf16"]
     per_token = flops_per_token(records.model_config(args))
