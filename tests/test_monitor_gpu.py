@@ -50,7 +50,8 @@ def test_a_sampled_steps_split_names_each_groups_collectives_and_adds_up_to_the_
         for sample in run["samples"]:
             split = sample["by_group"]
             assert sum(split.values()) == pytest.approx(sample["profiler_nccl_ms"], rel=0.01, abs=0.02), sample
-            assert split[group] > 0.5 * sample["comm_ms"], f"rank {rank}: most of the step's communication is {group}'s: {split}"
+            assert split[group] > 0.5 * sample["comm_ms"], \
+                f"rank {rank}: most of the step's communication is {group}'s: {split}; {sample['clues']}"
             names = sample["by_collective"][group]
             assert names and all(COLLECTIVE.match(name) for name in names), names
             assert 0 < sample["exposed_comm_share"] <= sample["comm_share"] <= sample["busy_share"] <= 1
@@ -77,7 +78,7 @@ def test_with_the_gradient_reduction_overlapped_the_exposed_share_falls_below_th
     for overlap in (True, False):
         ranks = _sampled(tmp_path, model + SAMPLED + ["--deepspeed_config", _overlap_config(tmp_path, overlap)])
         samples = [s for run in ranks for s in run["samples"]]
-        assert all(s["by_group"]["dp"] > 0 for s in samples), [(s["by_group"], s["by_collective"]) for s in samples]
+        assert all(s["by_group"]["dp"] > 0 for s in samples), [(s["by_group"], s["by_collective"], s["clues"]) for s in samples]
         ratios[overlap] = max(s["exposed_comm_share"] / s["comm_share"] for s in samples)
     assert ratios[True] < 0.8, f"overlapped reduction: exposed / raw communication share {ratios[True]:.2f}"
     assert ratios[True] < ratios[False], ratios
