@@ -46,8 +46,47 @@ def pytest_addoption(parser):
                      f"{gpu_shards.LANE_GPUS} GPUs (lanes) or those marked gpus(n) for more (whole); tests/gpu_suite.py runs both")
 
 
+def _gpu_run(config) -> bool:
+    return any(config.getoption(name) for name in ("shard", "gpu_record", "gpu_pass"))
+
+
 def pytest_configure(config):
     gpu_shards.configure(config)
+    if hasattr(config.option, "loadscopereorder") and not _gpu_run(config):
+        config.option.loadscopereorder = False  # pytest-xdist's loadfile takes files in pytest_collection_modifyitems' order
+
+
+# Seconds each of the heaviest test files takes on a pytest-xdist worker of `make test` (CI's two cores, a cold
+# machine; measured, rounded). Only the order of files uses them (pytest_collection_modifyitems): no test is skipped
+# or changed by them, and a file missing here just counts its tests.
+FILE_SECONDS = {"test_cli.py": 95, "test_oracle.py": 80, "test_moe.py": 80, "test_megatron_scripts.py": 72,
+                "test_context_parallel.py": 50, "test_checkpoint.py": 36, "test_grpo.py": 28, "test_slurm.py": 27,
+                "test_finetune.py": 27, "test_preemption.py": 25, "test_moe_routers.py": 22, "test_mpi.py": 18,
+                "test_finetune_cli.py": 17, "test_reshape.py": 17, "test_benchmarks.py": 16, "test_convert.py": 15,
+                "test_generate.py": 12, "test_ds_config.py": 11, "test_planner.py": 10, "test_lora.py": 10,
+                "test_monitor.py": 9, "test_qlora.py": 9}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The heaviest test files first, then the rest by their number of tests (GPU tests, which skip here, not
+    counted), and last the files that load an op the suite builds in the background (pytest_collection_finish), by
+    then built. pytest-xdist's loadfile hands whole files to its workers in this order (pytest_configure turns off
+    its own, by number of tests, which left a 95-second file of 3 tests to the end, where one worker ran it while the
+    other had nothing left): longest first, so the run ends on short files on both workers. Every test runs as
+    before; only the order of files changes, which pytest-xdist never fixed anyway. The GPU suite keeps its order."""
+    if _gpu_run(config):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def weight(path: str) -> tuple:
+        tests = files[path]
+        builds = any(item.get_closest_marker("ops_build") for item in tests)
+        cpu_tests = [item for item in tests if not item.get_closest_marker("gpu")]  # GPU tests skip here at once
+        return (builds, -FILE_SECONDS.get(os.path.basename(path), 0.2 * len(cpu_tests)))
+
+    items[:] = [item for path in sorted(files, key=weight) for item in files[path]]
 
 
 def pytest_runtest_setup(item):
