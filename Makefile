@@ -45,6 +45,9 @@ test-system-packages:
 PYTEST_WORKERS ?= 2
 
 test: venv test-system-packages
+	@# Byte-compile the project once: many tests start fresh interpreters (launchers, ranks), and where
+	@# PYTHONDONTWRITEBYTECODE is set each of them would compile it again (~0.3 s of CPU a process).
+	$(PY) -m compileall -q -j 0 hybridlm scripts tests benchmarks > /dev/null
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: venv test-system-packages
