@@ -6,6 +6,7 @@ oracle's to say, on forked ranks (test_oracle.py, test_context_parallel.py)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -86,11 +87,14 @@ def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_and_no_trace
     assert "hybridlm: ParallelState" not in result.stdout + result.stderr, "a rank built its process groups first"
 
 
-def test_default_run_trains_the_builtin_model_and_loss_falls(tmp_path):
-    # Exactly the README's command (plus a metrics file to read the losses back).
-    result = _launch(["scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero1.json",
+def test_the_readme_command_trains_the_builtin_model_and_its_loss_falls_well_below_chance(tmp_path):
+    # The README's command (plus a metrics file to read the losses back), cut from the default 300 steps to 150: the
+    # launcher, the built-in model, corpus and schedule are the default run's; half its steps (~20 s of CPU) show the
+    # same thing. Chance on the built-in byte vocabulary is ln(256) = 5.55 nats; 150 steps reach ~2.3.
+    result = _launch(["scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero1.json", "--train-iters", "150",
                       "--metrics-file", str(tmp_path / "m.jsonl")], timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(tmp_path / "m.jsonl")
-    assert len(losses) == 30
-    assert losses[-1] < 0.6 * losses[0], f"loss did not fall enough: {losses[0]:.3f} -> {losses[-1]:.3f}"
+    assert len(losses) == 15, "the built-in run logs every 10 steps"
+    assert losses[-1] < min(losses[:-1]) + 0.2 and losses[-1] < 0.5 * math.log(256), \
+        f"loss did not fall enough: {' '.join(f'{x:.3f}' for x in losses)}"
