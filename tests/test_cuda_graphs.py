@@ -81,7 +81,8 @@ def test_after_deepspeed_set_up_no_parameter_keeps_a_gradient_node_from_before_c
     (["--recompute-granularity", "full"], 1, "--recompute-granularity full"),
     (["--hidden-dropout", "0.1"], 1, "dropout"),
     ([], 3, "ZeRO stage 3"),
-], ids=["pp", "tp", "moe", "recompute", "dropout", "zero3"])
+    (["--torch-compile"], 1, "--torch-compile under --transformer-impl local"),
+], ids=["pp", "tp", "moe", "recompute", "dropout", "zero3", "compiled_whole"])
 def test_layouts_a_captured_layer_cannot_replay_are_refused_before_any_process_group(flags, zero_stage, sentence):
     cfg = parse_args(TINY + ["--cuda-graphs"] + flags)
     cfg.parallel.zero_stage = zero_stage  # what the DeepSpeed JSON would say
@@ -155,9 +156,14 @@ def _micro_batches(layers, inputs, phase, context):
 
 
 @needs_te
-@pytest.mark.parametrize("fp8, compiled, fused", [(False, False, False), (False, True, False), (True, False, False),
-                                                  (True, False, True)],
-                         ids=["bf16", "bf16_compiled", "fp8", "fp8_gradient_accumulation_fusion"])
+# A layer compiled whole (bf16_compiled) is refused with --cuda-graphs: captured, its input gradient came back NaN in
+# the first rows (4 x H200, ec03df3). It stays here, expected to fail, for whoever lifts the refusal.
+@pytest.mark.parametrize("fp8, compiled, fused", [
+    (False, False, False),
+    pytest.param(False, True, False, marks=pytest.mark.xfail(reason="refused at start-up: captured, a layer compiled whole "
+                                                                      "gave NaN input gradients on H200s")),
+    (True, False, False), (True, False, True)],
+    ids=["bf16", "bf16_compiled", "fp8", "fp8_gradient_accumulation_fusion"])
 def test_captured_layers_accumulate_the_gradients_of_the_uncaptured_ones_over_a_step(fp8, compiled, fused):
     # Three micro-batches in one step: a replay that overwrote the previous micro-batch's
     # gradients, or fed DeepSpeed's hooks the capture's sample passes, would show here. Fused:

@@ -28,7 +28,7 @@ def _case(seed: int, dtype=torch.float64):
 
 def _weights(loss):
     """A different upstream gradient for every token (a loss weighs its tokens)."""
-    return torch.linspace(0.5, 2.0, loss.numel(), dtype=loss.dtype).view(loss.shape)
+    return torch.linspace(0.5, 2.0, loss.numel(), dtype=loss.dtype, device=loss.device).view(loss.shape)
 
 
 def _unfused(hidden, weight, target, temperature=1.0):

@@ -144,9 +144,10 @@ def test_torch_compile_on_two_gpus_tracks_one_gpu(tmp_path, layout):
 
 
 @has_te
-@pytest.mark.parametrize("impl", [["--torch-compile"], ["--transformer-impl", "transformer_engine", "--torch-compile"],
+# local layers compiled whole and captured are refused at start-up (tests/test_cuda_graphs.py keeps the failing case)
+@pytest.mark.parametrize("impl", [[], ["--transformer-impl", "transformer_engine", "--torch-compile"],
                                   ["--transformer-impl", "transformer_engine", "--torch-compile", "--fp8-format", "hybrid"]],
-                         ids=["local_bf16_compiled", "te_bf16_compiled", "te_fp8_compiled"])
+                         ids=["local_bf16", "te_bf16_compiled", "te_fp8_compiled"])
 def test_cuda_graphs_train_as_the_uncaptured_layers_do(tmp_path, impl):
     # Four micro-batches a step through DeepSpeed ZeRO-1 (its gradient hooks, its flat parameter
     # buffers updated in place), with evaluations between steps running the layers uncaptured.

@@ -448,6 +448,10 @@ class RunConfig:
             (p.recompute_granularity is not None, f"--recompute-granularity {p.recompute_granularity}: recompute re-enters the layer in backward"),
             (m.hidden_dropout > 0 or m.attention_dropout > 0, "dropout: its RNG tracker swaps generator states, which a replay would not"),
             (p.zero_stage == 3, f"ZeRO stage 3 (from {self.train.deepspeed_config}): it gathers parameters in module hooks"),
+            (m.torch_compile and m.transformer_impl != "transformer_engine",
+             "--torch-compile under --transformer-impl local: a layer compiled whole and then captured gave NaN input "
+             "gradients and an illegal memory access on H200s (TE's linears with compiled pieces between them are fine); "
+             "add --transformer-impl transformer_engine, or drop one of the two flags"),
         ))
 
     def _check_gradient_accumulation_fusion(self, pp: int) -> None:

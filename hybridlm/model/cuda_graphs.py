@@ -115,7 +115,8 @@ def _first_calls_outside_capture(layers, samples, recipe, calls: int = 2) -> Non
     forward hook on every submodule and removes the hooks before capturing, so a layer first
     compiled in that warmup recompiles inside the capture, where compiling fails (the bf16
     reference model did, on an H200). Called here without hooks, twice (so that a graph also
-    exists for what the first call left behind), the capture finds its graph cached."""
+    exists for what the first call left behind), the capture finds its graph cached. (Captured, such a
+    layer then gave NaN input gradients on H200s, so start-up refuses the combination for now.)"""
     on_gpu = samples[0][0].is_cuda
     with torch.cuda.stream(torch.cuda.Stream()) if on_gpu else contextlib.nullcontext(), fp8_context(recipe):
         for _ in range(calls):
