@@ -34,6 +34,7 @@ import pytest
 
 UNMEASURED_S = 20.0  # most GPU tests launch processes and build or load a model
 LANE_GPUS = 2  # GPUs a lane holds: the most the project's two-GPU tests need
+LANES_AT_ONCE = 2  # lanes on the four-GPU machine the shards are cut for (the cut is the same on every machine)
 LANES_ENV = "HYBRIDLM_GPU_LANES"  # the lanes of a run, e.g. "0,1;2,3": an xdist worker gwK takes the K-th
 CALL_ENV = "HYBRIDLM_GPU_CALL"  # one record for the passes of one shard
 
@@ -82,9 +83,11 @@ def measured_durations(records: list[dict]) -> dict[str, float]:
     return durations
 
 
-def assign(node_ids: list[str], n: int, durations: dict[str, float]) -> list[list[str]]:
-    """The node ids cut into ``n`` shards of about equal expected time (see the module's docstring)."""
-    weight = {node: durations.get(node, UNMEASURED_S) for node in node_ids}
+def assign(node_ids: list[str], n: int, durations: dict[str, float], whole: frozenset = frozenset()) -> list[list[str]]:
+    """The node ids cut into ``n`` shards of about equal expected time on four GPUs (see the module's docstring): the
+    tests in ``whole`` (marked for more GPUs than a lane) hold the machine alone, the others share it with a second
+    lane, so they count half their measured time."""
+    weight = {node: durations.get(node, UNMEASURED_S) / (1 if node in whole else LANES_AT_ONCE) for node in node_ids}
     by_file: dict[str, list[str]] = {}
     for node in sorted(node_ids):  # the cut depends on the ids, not on the order a machine collected them in
         by_file.setdefault(node.split("::")[0], []).append(node)
@@ -167,7 +170,8 @@ class ShardPlugin:
         if self.shard:
             from benchmarks.records import load_all
             k, n = self.shard
-            keep = set(assign(sorted(keep), n, measured_durations(load_all()))[k - 1])
+            whole = frozenset(item.nodeid for item in items if gpus_needed(item) > LANE_GPUS)
+            keep = set(assign(sorted(keep), n, measured_durations(load_all()), whole)[k - 1])
         if self.gpu_pass:  # after the shard's cut, so the two passes split one shard
             laned = self.gpu_pass == "lanes"
             keep = {item.nodeid for item in items if item.nodeid in keep and (gpus_needed(item) <= LANE_GPUS) == laned}
@@ -190,7 +194,8 @@ class ShardPlugin:
             self._write(finished=False)
 
     def pytest_sessionfinish(self, session, exitstatus):
-        self._write(finished=True)
+        # the lanes pass is the first of two (tests/gpu_suite.py): the shard is finished when the whole pass is
+        self._write(finished=self.gpu_pass != "lanes")
 
     def _write(self, finished: bool) -> None:
         if not self.record_dir:
@@ -204,7 +209,8 @@ class ShardPlugin:
                   "failures": [{"test": node, "error": error} for node, error in self.failures.items()],
                   "durations": self.durations, "outcomes": self.outcomes}
         if not finished:
-            record["error"] = "stopped before the shard's last test (killed at its time limit?)"
+            record["error"] = ("the lanes pass ended; the whole pass (tests needing more GPUs than a lane) has not"
+                               if self.gpu_pass == "lanes" else "stopped before the shard's last test (killed at its time limit?)")
         os.makedirs(self.record_dir, exist_ok=True)
         path = os.path.join(self.record_dir, "records.jsonl")
         others = []

@@ -41,7 +41,9 @@ def passes(shard: str | None, record: str | None, gpus: list[str], lanes: int | 
     laned = base + ["--gpu-pass=lanes"]
     laned_env = dict(env)
     if len(cut) > 1:
-        laned += ["-n", str(len(cut)), "--dist=loadfile"]
+        # test by test, not file by file: a shard's slow tests of one file (test_gpu.py's, ~60 s each) once all went
+        # to one lane, which ran 511 s while the other sat idle (4 x H200, ec03df3)
+        laned += ["-n", str(len(cut)), "--dist=load"]
         laned_env[LANES_ENV] = ";".join(",".join(lane) for lane in cut)
     return [(laned, laned_env), (base + ["--gpu-pass=whole"], env)]
 

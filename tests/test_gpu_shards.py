@@ -34,6 +34,17 @@ def test_shards_are_packed_by_measured_duration():
     assert heavy == ["tests/test_a.py::t0"] and len(light) == len(NODES) - 1, "the 100 s test alone, the 13 others beside it"
 
 
+def test_a_test_that_holds_every_gpu_weighs_twice_a_laned_test_of_its_duration():
+    # on four GPUs two lanes run side by side, while a four-GPU test runs alone
+    durations = {n: 1.0 for n in NODES} | {"tests/test_a.py::t0": 10.0, "tests/test_b.py::t0": 10.0}
+    laned = assign(NODES, 2, durations)
+    a_with_b = [shard for shard in laned if "tests/test_a.py::t0" in shard][0]
+    assert "tests/test_b.py::t0" not in a_with_b
+    apart = assign(NODES, 2, durations, whole=frozenset({"tests/test_a.py::t0"}))
+    heavy = [shard for shard in apart if "tests/test_a.py::t0" in shard][0]
+    assert len(heavy) <= 2, f"10 s alone against 13 laned seconds (6.5 s on two lanes): {heavy}"
+
+
 def test_the_newest_record_of_a_test_gives_its_duration():
     records = [{"case": "gpu-tests", "time": "2026-11-27T10:00:00", "durations": {"x": 9.0, "y": 1.0}},
                {"case": "gpu-tests", "time": "2026-11-27T11:00:00", "durations": {"x": 3.0}},
@@ -141,6 +152,9 @@ def test_the_second_pass_adds_to_the_first_passs_record_of_the_shard(tmp_path, m
     first.pytest_runtest_logreport(_report("t::one", "call", "passed"))
     first.pytest_runtest_logreport(_report("t::two", "call", "failed", "assert 0"))
     first.pytest_sessionfinish(None, 1)
+    [after_lanes] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert after_lanes["figures"]["finished"] is False, "a shard whose whole pass was killed once claimed to be finished"
+    assert "the whole pass" in after_lanes["error"]
     second = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=whole"], "whole")
     second.pytest_runtest_logreport(_report("t::four", "setup", "skipped", ("t.py", 9, "Skipped: needs 4 CUDA GPUs (NCCL)")))
     second.pytest_sessionfinish(None, 0)
