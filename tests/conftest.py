@@ -46,13 +46,9 @@ def pytest_addoption(parser):
                      f"{gpu_shards.LANE_GPUS} GPUs (lanes) or those marked gpus(n) for more (whole); tests/gpu_suite.py runs both")
 
 
-def _gpu_run(config) -> bool:
-    return any(config.getoption(name) for name in ("shard", "gpu_record", "gpu_pass"))
-
-
 def pytest_configure(config):
     gpu_shards.configure(config)
-    if hasattr(config.option, "loadscopereorder") and not _gpu_run(config):
+    if hasattr(config.option, "loadscopereorder") and not gpu_shards.requested(config):
         config.option.loadscopereorder = False  # pytest-xdist's loadfile takes files in pytest_collection_modifyitems' order
 
 
@@ -74,7 +70,7 @@ def pytest_collection_modifyitems(session, config, items):
     its own, by number of tests, which left a 95-second file of 3 tests to the end, where one worker ran it while the
     other had nothing left): longest first, so the run ends on short files on both workers. Every test runs as
     before; only the order of files changes, which pytest-xdist never fixed anyway. The GPU suite keeps its order."""
-    if _gpu_run(config):
+    if gpu_shards.requested(config):
         return
     files: dict[str, list] = {}
     for item in items:

@@ -167,14 +167,13 @@ class ShardPlugin:
     @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shards cut what is left
     def pytest_collection_modifyitems(self, session, config, items):
         keep = {item.nodeid for item in items}
+        whole = frozenset(item.nodeid for item in items if gpus_needed(item) > LANE_GPUS)  # more GPUs than a lane
         if self.shard:
             from benchmarks.records import load_all
             k, n = self.shard
-            whole = frozenset(item.nodeid for item in items if gpus_needed(item) > LANE_GPUS)
             keep = set(assign(sorted(keep), n, measured_durations(load_all()), whole)[k - 1])
         if self.gpu_pass:  # after the shard's cut, so the two passes split one shard
-            laned = self.gpu_pass == "lanes"
-            keep = {item.nodeid for item in items if item.nodeid in keep and (gpus_needed(item) <= LANE_GPUS) == laned}
+            keep = keep & whole if self.gpu_pass == "whole" else keep - whole
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
         items[:] = [item for item in items if item.nodeid in keep]
 
@@ -223,11 +222,16 @@ class ShardPlugin:
         os.replace(path + ".tmp", path)
 
 
+def requested(config) -> bool:
+    """The run is (a shard of) the GPU suite: ``--shard``, ``--gpu-record`` or ``--gpu-pass`` given."""
+    return any(config.getoption(name) for name in ("shard", "gpu_record", "gpu_pass"))
+
+
 def configure(config) -> None:
-    """Register the plugin when ``--shard`` or ``--gpu-record`` is given (conftest.py calls this)."""
-    shard_text, record_dir, gpu_pass = config.getoption("shard"), config.getoption("gpu_record"), config.getoption("gpu_pass")
-    if not shard_text and not record_dir and not gpu_pass:
+    """Register the plugin when the run is the GPU suite's (``requested``; conftest.py calls this)."""
+    if not requested(config):
         return
+    shard_text, record_dir, gpu_pass = config.getoption("shard"), config.getoption("gpu_record"), config.getoption("gpu_pass")
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: it cuts the shard; the controller gets every report and records
         record_dir = None
     try:
