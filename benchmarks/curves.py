@@ -33,7 +33,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.records import append, script_record  # noqa: E402
-from benchmarks.runner import launcher  # noqa: E402
+from benchmarks.runner import free_port, launcher  # noqa: E402
 from hybridlm.training.curves import allowed_gap, compare, load_losses  # noqa: E402
 
 # what, on GPUs / on CPU: (model flags, layout flags, global batch, layout words, skip, tolerance)
@@ -101,7 +101,7 @@ REPLICA_CHECK = ["--check-weight-hash-across-dp-replicas-interval", "50"]
 def start(ranks: int, flags: list[str], metrics: str, log: str, on_cpu: bool, gpu: int | None = None) -> subprocess.Popen:
     """A training run in the background; ``gpu``: the one GPU a one-rank run sees (one-GPU runs side by side)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1") if on_cpu else None
-    head = launcher(ranks, 29400 + ranks + 10 * (gpu or 0), only=None if on_cpu else gpu)
+    head = launcher(ranks, free_port(), only=None if on_cpu else gpu)
     with open(log, "w") as out:
         return subprocess.Popen(head + ["scripts/pretrain.py"] + flags + ["--metrics-file", metrics],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)

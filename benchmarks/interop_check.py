@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from hybridlm.presets import LLAMA_BLOCK, LLAMA_OPTIMIZER  # noqa: E402  (imports nothing else of the package)
-from benchmarks.runner import gpu_choice  # noqa: E402
+from benchmarks.runner import free_port, gpu_choice  # noqa: E402
 
 # Llama-style block and optimiser spelled out: flags left out take Megatron-LM's defaults (a GPT-2/3 block).
 LLAMA = [*LLAMA_BLOCK, *LLAMA_OPTIMIZER]
@@ -48,17 +47,11 @@ LAYOUTS = {  # name: (flags, ZeRO config)
 }
 
 
-def port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def pretrain(out: str, name: str, gpus: int, flags: list[str]) -> list[float]:
     metrics = os.path.join(out, f"{name}.jsonl")
     log = os.path.join(out, "logs", f"{name}.log")
     with open(log, "w") as f:
-        code = subprocess.run(["deepspeed", *gpu_choice(gpus), "--master_port", port(), "scripts/pretrain.py", *flags,
+        code = subprocess.run(["deepspeed", *gpu_choice(gpus), "--master_port", str(free_port()), "scripts/pretrain.py", *flags,
                                "--metrics-file", metrics], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=900).returncode
     if code != 0 or not os.path.isfile(metrics):
         print(f"[{name}] failed with exit code {code}; see {log}", flush=True)
@@ -104,7 +97,7 @@ def generation_check(out: str, checkpoint: str, device: str) -> tuple[bool, floa
     result = os.path.join(out, "generated.json")
     started = time.time()
     with open(os.path.join(out, "logs", "generate.log"), "w") as f:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port(),
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                         "scripts/generate.py", "--checkpoint", checkpoint, "--prompt-ids", " ".join(map(str, prompt)),
                         "--max-new-tokens", "32", "--ignore-eos", "--dtype", "fp32", "--output-json", result],
                        cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=600)

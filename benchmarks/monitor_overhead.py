@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.records import append, script_record  # noqa: E402
-from benchmarks.runner import gpu_choice  # noqa: E402
+from benchmarks.runner import free_port, gpu_choice  # noqa: E402
 
 HEADLINE = ["--model", "reference", "--bf16", "--deepspeed_config", "ds_configs/zero1.json", "--torch-compile",
             "--global-batch-size", "64", "--attention-backend", "cudnn"]
@@ -42,10 +41,8 @@ SLURM_INTERVAL = 500  # slurm/*.sbatch
 
 def train(flags: list[str], metrics: str, log: str, tiny: bool) -> list[dict]:
     """One run through the deepspeed launcher on one device; its logged training records."""
-    with socket.socket() as probe:  # a free rendezvous port: the launcher's default may be held by another job
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    head = [shutil.which("deepspeed") or "deepspeed", *gpu_choice(1), "--master_port", str(port)]
+    # a free rendezvous port: the launcher's default may be held by another job
+    head = [shutil.which("deepspeed") or "deepspeed", *gpu_choice(1), "--master_port", str(free_port())]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if tiny:
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")

@@ -107,7 +107,6 @@ class Call:
     started: float = field(default_factory=time.monotonic)
     id: str = ""
     commit: str = ""
-    port: int = 29500
     not_run: list = field(default_factory=list)  # (case, system, why)
 
     def __post_init__(self):
@@ -120,8 +119,15 @@ class Call:
         return None if self.budget_s is None else self.budget_s - (time.monotonic() - self.started)
 
     def next_port(self) -> int:
-        self.port += 1
-        return self.port
+        return free_port()
+
+
+def free_port() -> int:
+    """A rendezvous port the kernel picked free just now. Not a fixed one counted up from 29500: two calls at once
+    (the GPU suite's two lanes) both took 29501, and the second launcher refused it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def visible_gpus() -> Optional[list[str]]:

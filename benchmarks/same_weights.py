@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, replace
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.curves import BATCH_4GPU, COMMON, MODELS_4GPU, ON_GPUS, TINY_BLOCK  # noqa: E402
+from benchmarks.runner import free_port, visible_gpus  # noqa: E402
 
 SAVER, REFERENCE = "1 GPU bf16", "1 GPU fp32"  # whose checkpoints every probe starts from; whose gradient is exact
 BF16 = ["--bf16"]
@@ -120,13 +121,12 @@ def _slots() -> list[str]:
     """The GPUs jobs may take, as CUDA_VISIBLE_DEVICES names them for a child (the ones this process was given), or two
     CPU slots."""
     import torch
-    from benchmarks.runner import visible_gpus
     if not torch.cuda.is_available():
         return ["cpu0", "cpu1"]
     return visible_gpus() or [str(i) for i in range(torch.cuda.device_count())]
 
 
-def run_jobs(jobs: list[Job], port: int = 29650) -> None:
+def run_jobs(jobs: list[Job]) -> None:
     """Start each job once the jobs it needs are done and enough GPUs are free (a GPU per rank); on CPU two slots,
     of which a job of more ranks than slots takes both."""
     slots = _slots()
@@ -141,8 +141,7 @@ def run_jobs(jobs: list[Job], port: int = 29650) -> None:
                     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
                 else:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
-                port += 1
-                head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(job.ranks), "--master_port", str(port)]
+                head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(job.ranks), "--master_port", str(free_port())]
                 out = open(job.log, "w")
                 running[job.name] = (subprocess.Popen(head + job.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), mine, out)
                 pending.remove(job)

@@ -2,9 +2,9 @@
 
 ``pytest -m gpu --shard K/N`` keeps the K-th of N shards. Shards are packed by expected time, longest first
 (each to the lightest shard so far), from the durations the newest ``gpu-tests`` records measured
-(benchmarks/records/); a test none measured counts ``UNMEASURED_S``. A test file goes to one shard whole, so its
-module fixtures (a JIT-built op, a loaded model) are paid once, unless it alone is heavier than a shard's fair share,
-when its tests are packed one by one. The assignment depends only on the collected node ids and the stored records,
+(benchmarks/records/); a test none ran counts its ``gpu_seconds`` mark, else what a skip of it took, else
+``UNMEASURED_S``. A test file goes to one shard whole, so its module fixtures (a JIT-built op, a loaded model) are
+paid once, unless it alone is heavier than a shard's fair share, when its tests are packed one by one. The assignment depends only on the collected node ids and the stored records,
 so every machine that runs the same checkout cuts the same shards; a machine with fewer GPUs runs its shard and
 the tests that need more skip with their reason.
 
@@ -75,12 +75,35 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def measured_durations(records: list[dict]) -> dict[str, float]:
-    """Each test's duration from the newest gpu-tests record that ran it (records in filing order)."""
+    """Each test's duration from the newest gpu-tests record that ran it (records in filing order). A record that
+    skipped a test did not measure it: a four-GPU test skipped on two GPUs once counted 0 s, and the shard that drew it
+    ran past its time limit. (Records from before outcomes were kept say a skip only by a duration of 0.)"""
+    return _durations(records, skipped=False)
+
+
+def skipped_durations(records: list[dict]) -> dict[str, float]:
+    """The tests records only ever skipped (a backend missing there, too few GPUs), with the newest skip's duration."""
+    ran = measured_durations(records)
+    return {node: seconds for node, seconds in _durations(records, skipped=True).items() if node not in ran}
+
+
+def _durations(records: list[dict], skipped: bool) -> dict[str, float]:
     newest = sorted((r for r in records if r.get("case") == "gpu-tests"), key=lambda r: (r.get("time", ""), r.get("_order", 0)))
     durations: dict[str, float] = {}
     for record in newest:
-        durations.update(record.get("durations", {}))
+        outcomes = record.get("outcomes")
+        for node, seconds in record.get("durations", {}).items():
+            was_skipped = outcomes.get(node) == "skipped" if outcomes is not None else seconds == 0
+            if was_skipped == skipped:
+                durations[node] = seconds
     return durations
+
+
+def estimated_seconds(item) -> Optional[float]:
+    """``@pytest.mark.gpu_seconds(s)``: the cut's estimate for a test no record has measured yet (a slow one that
+    would otherwise count ``UNMEASURED_S``)."""
+    mark = item.get_closest_marker("gpu_seconds")
+    return float(mark.args[0]) if mark else None
 
 
 def assign(node_ids: list[str], n: int, durations: dict[str, float], whole: frozenset = frozenset()) -> list[list[str]]:
@@ -171,7 +194,11 @@ class ShardPlugin:
         if self.shard:
             from benchmarks.records import load_all
             k, n = self.shard
-            keep = set(assign(sorted(keep), n, measured_durations(load_all()), whole)[k - 1])
+            records = load_all()
+            estimates = {item.nodeid: estimated_seconds(item) for item in items if estimated_seconds(item) is not None}
+            # a run's measure first, then the test's own estimate, then a skip's (about 0 s)
+            durations = {**skipped_durations(records), **estimates, **measured_durations(records)}
+            keep = set(assign(sorted(keep), n, durations, whole)[k - 1])
         if self.gpu_pass:  # after the shard's cut, so the two passes split one shard
             keep = keep & whole if self.gpu_pass == "whole" else keep - whole
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])

@@ -16,21 +16,16 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    """A port free a moment ago, for a program that binds it itself (a launcher's rank 0, a daemon): the port can be
-    taken before the program binds it, so such callers retry on EADDRINUSE (``retry_on_port_clash``). Forked ranks
-    need neither: their rank 0 binds a port the kernel picks and tells the others (``_child``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# A port free a moment ago, for a program that binds it itself (a launcher's rank 0, a daemon): the port can be taken
+# before the program binds it, so such callers retry on EADDRINUSE (``retry_on_port_clash``). Forked ranks need
+# neither: their rank 0 binds a port the kernel picks and tells the others (``_child``).
+from benchmarks.runner import free_port  # noqa: F401  (the tests import it from here)
 
 
 def retry_on_port_clash(launch: Callable[[], subprocess.CompletedProcess], attempts: int = 3) -> subprocess.CompletedProcess:

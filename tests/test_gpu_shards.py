@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.render import gpu_tests_markdown
-from gpu_shards import CALL_ENV, LANES_ENV, ShardPlugin, assign, lanes_of, measured_durations, parse_shard, pin_lane
+from gpu_shards import (CALL_ENV, LANES_ENV, ShardPlugin, assign, lanes_of, measured_durations, parse_shard, pin_lane,
+                        skipped_durations)
 
 NODES = [f"tests/test_{f}.py::t{i}" for f in "abcd" for i in range(3)] + ["tests/test_big.py::slow", "tests/test_big.py::fast"]
 
@@ -50,6 +51,21 @@ def test_the_newest_record_of_a_test_gives_its_duration():
                {"case": "gpu-tests", "time": "2026-11-27T11:00:00", "durations": {"x": 3.0}},
                {"case": "ref-dp4", "time": "2026-11-27T12:00:00", "durations": {"x": 99.0}}]
     assert measured_durations(records) == {"x": 3.0, "y": 1.0}
+
+
+def test_a_record_that_skipped_a_test_does_not_measure_it():
+    records = [{"case": "gpu-tests", "time": "2026-11-27T10:00:00", "durations": {"x": 240.0, "y": 5.0},
+                "outcomes": {"x": "passed", "y": "passed"}},
+               # a machine of two GPUs: the four-GPU test x skipped at once
+               {"case": "gpu-tests", "time": "2026-11-27T11:00:00", "durations": {"x": 0.01, "y": 4.0},
+                "outcomes": {"x": "skipped", "y": "passed"}},
+               # an older record, without outcomes: a duration of 0 was a skip
+               {"case": "gpu-tests", "time": "2026-11-27T12:00:00", "durations": {"x": 0.0}}]
+    assert measured_durations(records) == {"x": 240.0, "y": 4.0}
+    # a test no record ran (a backend missing on every machine so far) keeps what its skip took
+    only_skipped = records + [{"case": "gpu-tests", "time": "2026-11-27T13:00:00", "durations": {"z": 0.02},
+                               "outcomes": {"z": "skipped"}}]
+    assert skipped_durations(only_skipped) == {"z": 0.02}
 
 
 @pytest.mark.parametrize("text", ["3", "0/4", "5/4", "a/b"])
