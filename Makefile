@@ -56,7 +56,7 @@ test-fast: venv test-system-packages
 # The GPU suite on the GPU machine, in shards that each finish within 8 minutes on four GPUs (tests/gpu_shards.py):
 #   make test-gpu SHARD=1/4 RECORD=$$OUT     (its own Python: the GPU machine has torch; DeepSpeed from .device/)
 # RECORD: a folder for the shard's gpu-tests record (python -m benchmarks render --add FOLDER/records.jsonl).
-# On four GPUs the one- and two-GPU tests run in two lanes of two GPUs at once (tests/gpu_suite.py); LANES=1: one at a time.
+# One-GPU tests run four at once on four GPUs, two-GPU tests in two lanes of two (tests/gpu_suite.py); LANES=1: one at a time.
 test-gpu:
 	$(PYTHON) tests/gpu_suite.py $(if $(SHARD),--shard=$(SHARD)) $(if $(RECORD),--record=$(RECORD)) $(if $(LANES),--lanes=$(LANES))
 

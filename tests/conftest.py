@@ -42,8 +42,8 @@ def pytest_addoption(parser):
                      "(tests/gpu_shards.py; for the GPU suite: pytest -m gpu --shard 1/4)")
     parser.addoption("--gpu-record", default=None, metavar="DIR", help="append this run's gpu-tests record to "
                      "DIR/records.jsonl (file it with python -m benchmarks render --add)")
-    parser.addoption("--gpu-pass", default=None, choices=("lanes", "whole"), help="keep the tests that fit a lane of "
-                     f"{gpu_shards.LANE_GPUS} GPUs (lanes) or those marked gpus(n) for more (whole); tests/gpu_suite.py runs both")
+    parser.addoption("--gpu-pass", default=None, choices=gpu_shards.PASSES, help="keep the tests that need one GPU "
+                     "(lanes1), two (lanes2) or more (whole); tests/gpu_suite.py runs the three")
 
 
 def pytest_configure(config):

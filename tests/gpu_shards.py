@@ -13,12 +13,13 @@ shard, the counts, every skip's reason, the failures, each test's duration, the 
 rewritten after every test, so a run killed at its time limit still says how far it came.
 ``python -m benchmarks render --add DIR/records.jsonl`` files it; RESULTS.md shows the newest record of each shard.
 
-Lanes (``make test-gpu`` on four GPUs or more, tests/gpu_suite.py): most GPU tests need one or two GPUs, so a shard
-runs in two passes. ``--gpu-pass lanes`` keeps the shard's tests that fit a lane of ``LANE_GPUS`` GPUs and runs them
-on pytest-xdist workers that each see their own lane (``pin_lane``: CUDA_VISIBLE_DEVICES set before torch is
-imported; the project's launchers name those GPUs instead of counting from 0). ``--gpu-pass whole`` keeps the tests
-marked ``@pytest.mark.gpus(n)`` with ``n`` over a lane and runs them on every GPU. Both passes write one record: the
-same call (``HYBRIDLM_GPU_CALL``), the second adding to what the first recorded.
+Lanes (``make test-gpu``, tests/gpu_suite.py): most GPU tests need one GPU, some two (``@pytest.mark.gpus(2)``), and
+each spends most of its time starting processes, so a shard runs in three passes. ``--gpu-pass lanes1`` keeps the
+shard's one-GPU tests and runs them on pytest-xdist workers that each see their own GPU (four at once on four GPUs);
+``--gpu-pass lanes2`` its two-GPU tests, on workers that each see a lane of two; ``--gpu-pass whole`` the tests
+marked for more, on every GPU. A worker is pinned to its lane by ``pin_lane`` (CUDA_VISIBLE_DEVICES set before torch
+is imported; the project's launchers name those GPUs instead of counting from 0). The passes write one record: the
+same call (``HYBRIDLM_GPU_CALL``), each adding to what the ones before recorded.
 """
 from __future__ import annotations
 
@@ -33,17 +34,18 @@ from typing import Optional
 import pytest
 
 UNMEASURED_S = 20.0  # most GPU tests launch processes and build or load a model
-LANE_GPUS = 2  # GPUs a lane holds: the most the project's two-GPU tests need
-LANES_AT_ONCE = 2  # lanes on the four-GPU machine the shards are cut for (the cut is the same on every machine)
+LANE_WIDTHS = (1, 2)  # the lanes' sizes, one pass each: a test needing n GPUs runs in a lane of n (more: the whole pass)
+CUT_FOR_GPUS = 4  # the machine the shards are cut for (the cut is the same on every machine)
+PASSES = tuple(f"lanes{width}" for width in LANE_WIDTHS) + ("whole",)
 LANES_ENV = "HYBRIDLM_GPU_LANES"  # the lanes of a run, e.g. "0,1;2,3": an xdist worker gwK takes the K-th
 CALL_ENV = "HYBRIDLM_GPU_CALL"  # one record for the passes of one shard
 
 
-def lanes_of(visible: list[str]) -> list[list[str]]:
-    """The GPUs cut into lanes of ``LANE_GPUS`` (a remainder joins no lane); one lane of all when fewer."""
-    if len(visible) < 2 * LANE_GPUS:
+def lanes_of(visible: list[str], width: int) -> list[list[str]]:
+    """The GPUs cut into lanes of ``width`` (a remainder joins no lane); one lane of all when two do not fit."""
+    if len(visible) < 2 * width:
         return [visible]
-    return [visible[i:i + LANE_GPUS] for i in range(0, len(visible) - LANE_GPUS + 1, LANE_GPUS)]
+    return [visible[i:i + width] for i in range(0, len(visible) - width + 1, width)]
 
 
 def pin_lane(env=os.environ) -> Optional[str]:
@@ -58,7 +60,7 @@ def pin_lane(env=os.environ) -> Optional[str]:
 
 
 def gpus_needed(item) -> int:
-    """``@pytest.mark.gpus(n)``: the GPUs a test needs at once (1 unmarked; two-GPU tests of a lane are unmarked too)."""
+    """``@pytest.mark.gpus(n)``: the GPUs a test needs at once (1 unmarked)."""
     mark = item.get_closest_marker("gpus")
     return int(mark.args[0]) if mark else 1
 
@@ -106,11 +108,12 @@ def estimated_seconds(item) -> Optional[float]:
     return float(mark.args[0]) if mark else None
 
 
-def assign(node_ids: list[str], n: int, durations: dict[str, float], whole: frozenset = frozenset()) -> list[list[str]]:
-    """The node ids cut into ``n`` shards of about equal expected time on four GPUs (see the module's docstring): the
-    tests in ``whole`` (marked for more GPUs than a lane) hold the machine alone, the others share it with a second
-    lane, so they count half their measured time."""
-    weight = {node: durations.get(node, UNMEASURED_S) / (1 if node in whole else LANES_AT_ONCE) for node in node_ids}
+def assign(node_ids: list[str], n: int, durations: dict[str, float], needs: Optional[dict[str, int]] = None) -> list[list[str]]:
+    """The node ids cut into ``n`` shards of about equal expected time on ``CUT_FOR_GPUS`` GPUs (see the module's
+    docstring): a test that ``needs`` k GPUs (1 unless said) shares the machine with the lanes beside it, so it counts
+    k / ``CUT_FOR_GPUS`` of its measured time; a four-GPU test holds the machine alone and counts all of it."""
+    needs = needs or {}
+    weight = {node: durations.get(node, UNMEASURED_S) * min(needs.get(node, 1), CUT_FOR_GPUS) / CUT_FOR_GPUS for node in node_ids}
     by_file: dict[str, list[str]] = {}
     for node in sorted(node_ids):  # the cut depends on the ids, not on the order a machine collected them in
         by_file.setdefault(node.split("::")[0], []).append(node)
@@ -127,6 +130,11 @@ def assign(node_ids: list[str], n: int, durations: dict[str, float], whole: froz
         shards[lightest] += group
         loads[lightest] += sum(weight[node] for node in group)
     return shards
+
+
+def _in_pass(needed: int, gpu_pass: str) -> bool:
+    """A test that needs ``needed`` GPUs runs in the lanes of that width, or in the whole pass when no lane is as wide."""
+    return needed > max(LANE_WIDTHS) if gpu_pass == "whole" else gpu_pass == f"lanes{needed}"
 
 
 def _whole_suite(argv: list[str]) -> bool:
@@ -190,7 +198,7 @@ class ShardPlugin:
     @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shards cut what is left
     def pytest_collection_modifyitems(self, session, config, items):
         keep = {item.nodeid for item in items}
-        whole = frozenset(item.nodeid for item in items if gpus_needed(item) > LANE_GPUS)  # more GPUs than a lane
+        needs = {item.nodeid: gpus_needed(item) for item in items}
         if self.shard:
             from benchmarks.records import load_all
             k, n = self.shard
@@ -198,9 +206,9 @@ class ShardPlugin:
             estimates = {item.nodeid: estimated_seconds(item) for item in items if estimated_seconds(item) is not None}
             # a run's measure first, then the test's own estimate, then a skip's (about 0 s)
             durations = {**skipped_durations(records), **estimates, **measured_durations(records)}
-            keep = set(assign(sorted(keep), n, durations, whole)[k - 1])
-        if self.gpu_pass:  # after the shard's cut, so the two passes split one shard
-            keep = keep & whole if self.gpu_pass == "whole" else keep - whole
+            keep = set(assign(sorted(keep), n, durations, needs)[k - 1])
+        if self.gpu_pass:  # after the shard's cut, so the passes split one shard
+            keep = {node for node in keep if _in_pass(needs[node], self.gpu_pass)}
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
         items[:] = [item for item in items if item.nodeid in keep]
 
@@ -220,8 +228,8 @@ class ShardPlugin:
             self._write(finished=False)
 
     def pytest_sessionfinish(self, session, exitstatus):
-        # the lanes pass is the first of two (tests/gpu_suite.py): the shard is finished when the whole pass is
-        self._write(finished=self.gpu_pass != "lanes")
+        # the lanes passes come first (tests/gpu_suite.py): the shard is finished when the whole pass is
+        self._write(finished=self.gpu_pass in (None, "whole"))
 
     def _write(self, finished: bool) -> None:
         if not self.record_dir:
@@ -235,8 +243,8 @@ class ShardPlugin:
                   "failures": [{"test": node, "error": error} for node, error in self.failures.items()],
                   "durations": self.durations, "outcomes": self.outcomes}
         if not finished:
-            record["error"] = ("the lanes pass ended; the whole pass (tests needing more GPUs than a lane) has not"
-                               if self.gpu_pass == "lanes" else "stopped before the shard's last test (killed at its time limit?)")
+            record["error"] = (f"the {self.gpu_pass} pass ended; the passes after it (tests needing more GPUs) have not"
+                               if self.gpu_pass not in (None, "whole") else "stopped before the shard's last test (killed at its time limit?)")
         os.makedirs(self.record_dir, exist_ok=True)
         path = os.path.join(self.record_dir, "records.jsonl")
         others = []

@@ -1,12 +1,12 @@
-"""One shard of the GPU suite on this machine, in lanes where it has four GPUs or more (``make test-gpu``).
+"""One shard of the GPU suite on this machine, in lanes where it has two GPUs or more (``make test-gpu``).
 
     python3 tests/gpu_suite.py [--shard K/N] [--record DIR] [--lanes L] [-- more pytest arguments]
 
-Most GPU tests need one GPU or two, and each spends most of its time starting processes, so a machine of four GPUs
-runs the shard twice as fast in two lanes of two: the first pass runs the tests that fit a lane on pytest-xdist
-workers that each see their lane's GPUs (tests/gpu_shards.py), the second the tests marked ``gpus(n)`` for more, on
-every GPU. Both passes write one ``gpu-tests`` record of the shard. The exit code is the first failing pass's (a pass
-with no test of its kind is not a failure).
+Most GPU tests need one GPU, some two, and each spends most of its time starting processes, so the shard runs in
+passes by the GPUs its tests need (tests/gpu_shards.py): the one-GPU tests on pytest-xdist workers that each see one
+GPU (four at once on four GPUs), the two-GPU tests on workers that each see a lane of two, then the tests marked
+``gpus(n)`` for more, on every GPU. The passes write one ``gpu-tests`` record of the shard. The exit code is the first
+failing pass's (a pass with no test of its kind is not a failure).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_shards import CALL_ENV, LANES_ENV, lanes_of  # noqa: E402
+from gpu_shards import CALL_ENV, LANE_WIDTHS, LANES_ENV, lanes_of  # noqa: E402
 
 NO_TESTS_COLLECTED = 5  # pytest's exit code when -m / the pass leave nothing to run
 
@@ -32,27 +32,29 @@ def visible_gpus() -> list[str]:
 
 
 def passes(shard: str | None, record: str | None, gpus: list[str], lanes: int | None, extra: list[str]) -> list[tuple[list[str], dict]]:
-    """The two pytest commands of a shard and the environment each runs in."""
+    """The pytest commands of a shard, one a pass, and the environment each runs in."""
     call = f"{datetime.datetime.now().strftime('%Y-%m-%dT%H%M%S')}-{socket.gethostname().split('.')[0]}"
     env = {**os.environ, CALL_ENV: call}
     base = [sys.executable, "-m", "pytest", "-m", "gpu", "--durations=25"] + ([f"--shard={shard}"] if shard else []) + (
         [f"--gpu-record={record}"] if record else []) + extra
-    cut = lanes_of(gpus)[:lanes] if lanes else lanes_of(gpus)
-    laned = base + ["--gpu-pass=lanes"]
-    laned_env = dict(env)
-    if len(cut) > 1:
-        # test by test, not file by file: a shard's slow tests of one file (test_gpu.py's, ~60 s each) once all went
-        # to one lane, which ran 511 s while the other sat idle (4 x H200, ec03df3)
-        laned += ["-n", str(len(cut)), "--dist=load"]
-        laned_env[LANES_ENV] = ";".join(",".join(lane) for lane in cut)
-    return [(laned, laned_env), (base + ["--gpu-pass=whole"], env)]
+    commands = []
+    for width in LANE_WIDTHS:
+        cut = lanes_of(gpus, width)[:lanes] if lanes else lanes_of(gpus, width)
+        laned, laned_env = base + [f"--gpu-pass=lanes{width}"], dict(env)
+        if len(cut) > 1:
+            # test by test, not file by file: a shard's slow tests of one file (test_gpu.py's, ~60 s each) once all went
+            # to one lane, which ran 511 s while the other sat idle (4 x H200, ec03df3)
+            laned += ["-n", str(len(cut)), "--dist=load"]
+            laned_env[LANES_ENV] = ";".join(",".join(lane) for lane in cut)
+        commands.append((laned, laned_env))
+    return commands + [(base + ["--gpu-pass=whole"], env)]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard", default=None, help="K/N: the K-th of N shards (default: the whole GPU suite)")
     parser.add_argument("--record", default=None, help="a folder for the shard's gpu-tests record (records.jsonl)")
-    parser.add_argument("--lanes", type=int, default=None, help="at most this many lanes of two GPUs (default: all the GPUs hold; 1: one pytest)")
+    parser.add_argument("--lanes", type=int, default=None, help="at most this many lanes at once (default: all the GPUs hold; 1: one pytest a pass)")
     parser.add_argument("extra", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
     failed = []

@@ -22,7 +22,7 @@ from test_gpu import _launch
 
 pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+two_gpus = pytest.mark.gpus(2)  # skipped on fewer (conftest); in the GPU suite, a lane of two
 BACKENDS = ["sdpa", "cudnn", "flash"]
 
 

@@ -17,7 +17,7 @@ from harness import free_port, retry_on_port_clash, run_command
 from oracle import ROOT, TINY
 
 pytestmark = pytest.mark.gpu
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+two_gpus = pytest.mark.gpus(2)  # skipped on fewer (conftest); in the GPU suite, a lane of two
 
 
 def _launch(gpus: int, flags: list[str], metrics, log_says: str | None = None) -> list[float]:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.render import gpu_tests_markdown
-from gpu_shards import (CALL_ENV, LANES_ENV, ShardPlugin, assign, lanes_of, measured_durations, parse_shard, pin_lane,
-                        skipped_durations)
+from gpu_shards import (CALL_ENV, LANES_ENV, PASSES, ShardPlugin, assign, lanes_of, measured_durations, parse_shard,
+                        pin_lane, skipped_durations)
 
 NODES = [f"tests/test_{f}.py::t{i}" for f in "abcd" for i in range(3)] + ["tests/test_big.py::slow", "tests/test_big.py::fast"]
 
@@ -35,15 +35,13 @@ def test_shards_are_packed_by_measured_duration():
     assert heavy == ["tests/test_a.py::t0"] and len(light) == len(NODES) - 1, "the 100 s test alone, the 13 others beside it"
 
 
-def test_a_test_that_holds_every_gpu_weighs_twice_a_laned_test_of_its_duration():
-    # on four GPUs two lanes run side by side, while a four-GPU test runs alone
-    durations = {n: 1.0 for n in NODES} | {"tests/test_a.py::t0": 10.0, "tests/test_b.py::t0": 10.0}
+def test_a_test_weighs_its_duration_times_the_share_of_the_machine_it_holds():
+    # on four GPUs four one-GPU tests run side by side, or two two-GPU tests, while a four-GPU test runs alone
+    durations = {n: 4.0 for n in NODES} | {"tests/test_a.py::t0": 14.0}
+    alone = assign(NODES, 2, durations, {"tests/test_a.py::t0": 4})
+    assert ["tests/test_a.py::t0"] in alone, f"14 s holding the machine against 13 tests of 4 s in four lanes: {alone}"
     laned = assign(NODES, 2, durations)
-    a_with_b = [shard for shard in laned if "tests/test_a.py::t0" in shard][0]
-    assert "tests/test_b.py::t0" not in a_with_b
-    apart = assign(NODES, 2, durations, whole=frozenset({"tests/test_a.py::t0"}))
-    heavy = [shard for shard in apart if "tests/test_a.py::t0" in shard][0]
-    assert len(heavy) <= 2, f"10 s alone against 13 laned seconds (6.5 s on two lanes): {heavy}"
+    assert ["tests/test_a.py::t0"] not in laned, "as a one-GPU test it counts 3.5 s and keeps its file's company"
 
 
 def test_the_newest_record_of_a_test_gives_its_duration():
@@ -106,10 +104,11 @@ def test_results_show_the_newest_record_of_each_shard():
     assert "| 2/2 |" in text and "t::x" in text and "1 x needs 4 CUDA GPUs (NCCL)" in text
 
 
-def test_four_gpus_make_two_lanes_of_two_and_fewer_make_one_lane_of_all():
-    assert lanes_of(["0", "1", "2", "3"]) == [["0", "1"], ["2", "3"]]
-    assert lanes_of(["4", "5", "6", "7", "0", "1"]) == [["4", "5"], ["6", "7"], ["0", "1"]]
-    assert lanes_of(["0", "1"]) == [["0", "1"]] and lanes_of(["3"]) == [["3"]]
+def test_gpus_are_cut_into_lanes_of_a_width_and_too_few_make_one_lane_of_all():
+    assert lanes_of(["0", "1", "2", "3"], 2) == [["0", "1"], ["2", "3"]]
+    assert lanes_of(["0", "1", "2", "3"], 1) == [["0"], ["1"], ["2"], ["3"]]
+    assert lanes_of(["4", "5", "6", "7", "0", "1"], 2) == [["4", "5"], ["6", "7"], ["0", "1"]]
+    assert lanes_of(["0", "1", "2"], 2) == [["0", "1", "2"]] and lanes_of(["3"], 1) == [["3"]]
 
 
 def test_each_xdist_worker_of_a_laned_run_sees_its_own_lane_and_other_runs_are_left_alone():
@@ -148,29 +147,30 @@ def _item(node, gpus=None):
 
 
 @pytest.mark.parametrize("shard", [(1, 2), (2, 2)])
-def test_the_two_passes_of_a_shard_split_it_by_the_gpus_each_test_needs(shard):
-    items = [_item(n) for n in NODES] + [_item("tests/test_e.py::four", 4)]
+def test_the_passes_of_a_shard_split_it_by_the_gpus_each_test_needs(shard):
+    items = [_item(n) for n in NODES] + [_item("tests/test_e.py::two", 2), _item("tests/test_e.py::four", 4)]
     config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: None))
     whole_shard = list(items)
     ShardPlugin(shard, None, []).pytest_collection_modifyitems(None, config, whole_shard)
     kept = {}
-    for gpu_pass in ("lanes", "whole"):
+    for gpu_pass in PASSES:
         mine = list(items)
         ShardPlugin(shard, None, [], gpu_pass).pytest_collection_modifyitems(None, config, mine)
         kept[gpu_pass] = {i.nodeid for i in mine}
-    assert kept["lanes"] | kept["whole"] == {i.nodeid for i in whole_shard} and not kept["lanes"] & kept["whole"]
-    assert all(n == "tests/test_e.py::four" for n in kept["whole"])
+    assert set().union(*kept.values()) == {i.nodeid for i in whole_shard}
+    assert sum(len(k) for k in kept.values()) == len(whole_shard), "each test in one pass"
+    assert kept["lanes2"] <= {"tests/test_e.py::two"} and kept["whole"] <= {"tests/test_e.py::four"}
 
 
 def test_the_second_pass_adds_to_the_first_passs_record_of_the_shard(tmp_path, monkeypatch):
     monkeypatch.setenv(CALL_ENV, "2026-11-27T180000-box")
-    first = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=lanes", "-n", "2"], "lanes")
+    first = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=lanes1", "-n", "4"], "lanes1")
     first.pytest_runtest_logreport(_report("t::one", "call", "passed"))
     first.pytest_runtest_logreport(_report("t::two", "call", "failed", "assert 0"))
     first.pytest_sessionfinish(None, 1)
     [after_lanes] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert after_lanes["figures"]["finished"] is False, "a shard whose whole pass was killed once claimed to be finished"
-    assert "the whole pass" in after_lanes["error"]
+    assert "passes after it" in after_lanes["error"]
     second = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=whole"], "whole")
     second.pytest_runtest_logreport(_report("t::four", "setup", "skipped", ("t.py", 9, "Skipped: needs 4 CUDA GPUs (NCCL)")))
     second.pytest_sessionfinish(None, 0)
@@ -181,12 +181,20 @@ def test_the_second_pass_adds_to_the_first_passs_record_of_the_shard(tmp_path, m
     assert set(record["durations"]) == {"t::one", "t::two", "t::four"} and "&&" in record["command"]
 
 
-def test_make_test_gpu_runs_two_lanes_on_four_gpus_and_one_pytest_on_fewer():
+def test_make_test_gpu_runs_four_one_gpu_lanes_then_two_two_gpu_lanes_on_four_gpus():
     from gpu_suite import passes
-    (laned, laned_env), (whole, whole_env) = passes("2/4", "/out", ["0", "1", "2", "3"], None, [])
-    assert laned[laned.index("-n") + 1] == "2" and "--gpu-pass=lanes" in laned and laned_env[LANES_ENV] == "0,1;2,3"
+    (one, one_env), (two, two_env), (whole, whole_env) = passes("2/4", "/out", ["0", "1", "2", "3"], None, [])
+    assert one[one.index("-n") + 1] == "4" and "--gpu-pass=lanes1" in one and one_env[LANES_ENV] == "0;1;2;3"
+    assert two[two.index("-n") + 1] == "2" and "--gpu-pass=lanes2" in two and two_env[LANES_ENV] == "0,1;2,3"
     assert "--gpu-pass=whole" in whole and "-n" not in whole and LANES_ENV not in whole_env
-    assert {"--shard=2/4", "--gpu-record=/out"} <= set(laned) & set(whole) and laned_env[CALL_ENV] == whole_env[CALL_ENV]
-    for gpus, lanes in ((["0", "1"], None), (["0", "1", "2", "3"], 1)):
-        (laned, laned_env), _ = passes("1/4", None, gpus, lanes, [])
-        assert "-n" not in laned and LANES_ENV not in laned_env
+    assert {"--shard=2/4", "--gpu-record=/out"} <= set(one) & set(two) & set(whole)
+    assert one_env[CALL_ENV] == two_env[CALL_ENV] == whole_env[CALL_ENV], "one record for the shard"
+
+
+def test_two_gpus_make_two_one_gpu_lanes_and_one_pytest_for_the_two_gpu_tests():
+    from gpu_suite import passes
+    (one, one_env), (two, two_env), _ = passes("1/4", None, ["0", "1"], None, [])
+    assert one[one.index("-n") + 1] == "2" and one_env[LANES_ENV] == "0;1"
+    assert "-n" not in two and LANES_ENV not in two_env
+    for laned, env in passes("1/4", None, ["0", "1", "2", "3"], 1, [])[:2]:  # LANES=1: one test at a time
+        assert "-n" not in laned and LANES_ENV not in env

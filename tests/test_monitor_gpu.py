@@ -12,7 +12,6 @@ import re
 import sys
 
 import pytest
-import torch
 
 from oracle import ROOT, TINY
 
@@ -20,7 +19,7 @@ from hybridlm.presets import LLAMA_BLOCK
 from harness import run_command
 
 pytestmark = pytest.mark.gpu
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+two_gpus = pytest.mark.gpus(2)  # skipped on fewer (conftest); in the GPU suite, a lane of two
 
 SAMPLED = ["--train-iters", "6", "--log-interval", "2", "--log-comm-interval", "3", "--lr", "1e-4", "--bf16"]
 # what record_param_comms calls NCCL's collectives ("allreduce", "_allgather_base", "reduce_scatter_tensor_coalesced",

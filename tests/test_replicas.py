@@ -93,7 +93,7 @@ def test_the_interval_must_be_positive():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@pytest.mark.gpus(2)
 def test_on_two_gpus_a_nudged_replica_stops_every_rank_with_one_sentence(tmp_path):
     flags = ["--deepspeed_config", "ds_configs/zero1.json", *TINY, *INTERVAL, "--bf16", "--save", str(tmp_path / "ckpt"),
              "--save-interval", "2"]
