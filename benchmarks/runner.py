@@ -118,9 +118,6 @@ class Call:
     def left_s(self) -> Optional[float]:
         return None if self.budget_s is None else self.budget_s - (time.monotonic() - self.started)
 
-    def next_port(self) -> int:
-        return free_port()
-
 
 def free_port() -> int:
     """A rendezvous port the kernel picked free just now. Not a fixed one counted up from 29500: two calls at once
@@ -161,13 +158,13 @@ def hybridlm_command(case: Case, system: str, record_file: str, call: Call, prof
         argv, at = list(case.script), (case.script.index("--") if "--" in case.script else len(case.script))
         argv[at:at] = ["--record-file", record_file] + (["--megatron", call.megatron_src]
                                                          if "megatron-lm" in case.peers and call.megatron_src else [])
-        head = launcher(case.ranks, call.next_port()) if case.launcher == "deepspeed" else [sys.executable]
+        head = launcher(case.ranks, free_port()) if case.launcher == "deepspeed" else [sys.executable]
         return head + argv
     flags = list(case.flags)
     if profile_dir:
         total = case.warmup + case.steps
         flags += ["--profile-step-range", f"{total - 2},{total}", "--profile-dir", profile_dir]
-    return launcher(case.ranks, call.next_port()) + [
+    return launcher(case.ranks, free_port()) + [
         "scripts/benchmark.py", "--model", case.model, "--steps", str(case.steps), "--warmup", str(case.warmup),
         "--label", case.label, "--system", system, "--record-file", record_file, "--"] + flags
 
@@ -181,7 +178,7 @@ def run_config(case: Case):
 def megatron_command(case: Case, call: Call) -> list[str]:
     args = megatron.megatron_args(run_config(case), iters=case.warmup + case.steps)
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(case.ranks),
-            "--master_port", str(call.next_port()), "-m", "benchmarks.megatron", call.megatron_src, "--"] + args
+            "--master_port", str(free_port()), "-m", "benchmarks.megatron", call.megatron_src, "--"] + args
 
 
 def shown(argv: list[str]) -> str:

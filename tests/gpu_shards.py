@@ -3,10 +3,11 @@
 ``pytest -m gpu --shard K/N`` keeps the K-th of N shards. Shards are packed by expected time, longest first
 (each to the lightest shard so far), from the durations the newest ``gpu-tests`` records measured
 (benchmarks/records/); a test none ran counts its ``gpu_seconds`` mark, else what a skip of it took, else
-``UNMEASURED_S``. A test file goes to one shard whole, so its module fixtures (a JIT-built op, a loaded model) are
-paid once, unless it alone is heavier than a shard's fair share, when its tests are packed one by one. The assignment depends only on the collected node ids and the stored records,
-so every machine that runs the same checkout cuts the same shards; a machine with fewer GPUs runs its shard and
-the tests that need more skip with their reason.
+``UNMEASURED_S`` (``expected_durations``). A test file goes to one shard whole, so its module fixtures (a JIT-built
+op, a loaded model) are paid once, unless it alone is heavier than a shard's fair share, when its tests are packed
+one by one. The assignment depends only on the collected node ids and the stored records, so every machine that
+runs the same checkout cuts the same shards; a machine with fewer GPUs runs its shard and the tests that need more
+skip with their reason.
 
 ``--gpu-record DIR`` appends one record per run to ``DIR/records.jsonl`` (case ``gpu-tests``, suite ``tests``): the
 shard, the counts, every skip's reason, the failures, each test's duration, the device and the commit. It is
@@ -101,11 +102,11 @@ def _durations(records: list[dict], skipped: bool) -> dict[str, float]:
     return durations
 
 
-def estimated_seconds(item) -> Optional[float]:
-    """``@pytest.mark.gpu_seconds(s)``: the cut's estimate for a test no record has measured yet (a slow one that
-    would otherwise count ``UNMEASURED_S``)."""
-    mark = item.get_closest_marker("gpu_seconds")
-    return float(mark.args[0]) if mark else None
+def expected_durations(records: list[dict], items) -> dict[str, float]:
+    """What the cut counts for each test: a run's measure first, then the test's own ``@pytest.mark.gpu_seconds(s)``
+    (for a slow test no record has run yet, which would otherwise count ``UNMEASURED_S``), then a skip's (about 0 s)."""
+    estimates = {item.nodeid: float(mark.args[0]) for item in items if (mark := item.get_closest_marker("gpu_seconds"))}
+    return {**skipped_durations(records), **estimates, **measured_durations(records)}
 
 
 def assign(node_ids: list[str], n: int, durations: dict[str, float], needs: Optional[dict[str, int]] = None) -> list[list[str]]:
@@ -202,11 +203,7 @@ class ShardPlugin:
         if self.shard:
             from benchmarks.records import load_all
             k, n = self.shard
-            records = load_all()
-            estimates = {item.nodeid: estimated_seconds(item) for item in items if estimated_seconds(item) is not None}
-            # a run's measure first, then the test's own estimate, then a skip's (about 0 s)
-            durations = {**skipped_durations(records), **estimates, **measured_durations(records)}
-            keep = set(assign(sorted(keep), n, durations, needs)[k - 1])
+            keep = set(assign(sorted(keep), n, expected_durations(load_all(), items), needs)[k - 1])
         if self.gpu_pass:  # after the shard's cut, so the passes split one shard
             keep = {node for node in keep if _in_pass(needs[node], self.gpu_pass)}
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])

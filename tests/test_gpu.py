@@ -144,7 +144,7 @@ def test_torch_compile_on_two_gpus_tracks_one_gpu(tmp_path, layout):
 
 
 @has_te
-# local layers compiled whole and captured are refused at start-up (tests/test_cuda_graphs.py keeps the failing case)
+# local layers compiled whole and captured are refused at start-up (tests/test_cuda_graphs.py's compiled_whole case)
 @pytest.mark.parametrize("impl", [[], ["--transformer-impl", "transformer_engine", "--torch-compile"],
                                   ["--transformer-impl", "transformer_engine", "--torch-compile", "--fp8-format", "hybrid"]],
                          ids=["local_bf16", "te_bf16_compiled", "te_fp8_compiled"])

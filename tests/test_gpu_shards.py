@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.render import gpu_tests_markdown
-from gpu_shards import (CALL_ENV, LANES_ENV, PASSES, ShardPlugin, assign, lanes_of, measured_durations, parse_shard,
-                        pin_lane, skipped_durations)
+from gpu_shards import (CALL_ENV, LANES_ENV, PASSES, ShardPlugin, assign, expected_durations, lanes_of, measured_durations,
+                        parse_shard, pin_lane, skipped_durations)
 
 NODES = [f"tests/test_{f}.py::t{i}" for f in "abcd" for i in range(3)] + ["tests/test_big.py::slow", "tests/test_big.py::fast"]
 
@@ -64,6 +64,13 @@ def test_a_record_that_skipped_a_test_does_not_measure_it():
     only_skipped = records + [{"case": "gpu-tests", "time": "2026-11-27T13:00:00", "durations": {"z": 0.02},
                                "outcomes": {"z": "skipped"}}]
     assert skipped_durations(only_skipped) == {"z": 0.02}
+
+
+def test_a_tests_own_estimate_stands_until_a_record_runs_it():
+    marked = lambda node, s: SimpleNamespace(nodeid=node, get_closest_marker=lambda name: SimpleNamespace(args=(s,)) if name == "gpu_seconds" else None)
+    records = [{"case": "gpu-tests", "time": "2026-11-27T10:00:00", "durations": {"x": 0.01, "y": 30.0},
+                "outcomes": {"x": "skipped", "y": "passed"}}]
+    assert expected_durations(records, [marked("x", 260), marked("y", 260)]) == {"x": 260.0, "y": 30.0}
 
 
 @pytest.mark.parametrize("text", ["3", "0/4", "5/4", "a/b"])
