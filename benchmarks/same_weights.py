@@ -126,11 +126,12 @@ def _slots() -> list[str]:
     return visible_gpus() or [str(i) for i in range(torch.cuda.device_count())]
 
 
-def run_jobs(jobs: list[Job]) -> None:
+def run_jobs(jobs: list[Job]) -> dict[str, dict]:
     """Start each job once the jobs it needs are done and enough GPUs are free (a GPU per rank); on CPU two slots,
-    of which a job of more ranks than slots takes both."""
+    of which a job of more ranks than slots takes both. Returns each job's seconds from start to exit and the set-up
+    line its log printed ("set-up 21.4 s: imports 6.0, ..."), so a slow run says which of its jobs and phases cost."""
     slots = _slots()
-    free, pending, running, done = list(slots), list(jobs), {}, set()
+    free, pending, running, done, timing = list(slots), list(jobs), {}, set(), {}
     while pending or running:
         for job in list(pending):
             wanted = min(job.ranks, len(slots)) if slots[0].startswith("cpu") else job.ranks
@@ -143,17 +144,27 @@ def run_jobs(jobs: list[Job]) -> None:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
                 head = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(job.ranks), "--master_port", str(free_port())]
                 out = open(job.log, "w")
-                running[job.name] = (subprocess.Popen(head + job.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), mine, out)
+                running[job.name] = (subprocess.Popen(head + job.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), mine, out,
+                                     time.perf_counter())
                 pending.remove(job)
-        for name, (proc, mine, out) in list(running.items()):
+        for name, (proc, mine, out, started) in list(running.items()):
             if proc.poll() is not None:
                 out.close()
                 if proc.returncode:
                     raise SystemExit(f"{name} failed (exit {proc.returncode}); its log: {out.name}")
+                timing[name] = {"seconds": round(time.perf_counter() - started, 1), "setup": _setup_line(out.name)}
                 free += mine
                 done.add(name)
                 del running[name]
         time.sleep(0.5)
+    return timing
+
+
+def _setup_line(log: str) -> str | None:
+    """What the job's rank 0 said of its start-up (hybridlm.training.setup_clock), if it said it."""
+    with open(log, errors="replace") as f:
+        said = [line.split("hybridlm: ", 1)[1].strip() for line in f if "hybridlm: set-up " in line]
+    return said[0] if said else None
 
 
 def probe(out: str, flags: list[str]) -> None:
@@ -170,6 +181,8 @@ def probe(out: str, flags: list[str]) -> None:
 
     cfg, ds = prepare_config(parse_args(flags))
     run = build_run(cfg, ds)
+    if dist.get_rank() == 0:
+        print(f"hybridlm: {run.setup.line()}", flush=True)
     module, kept = run.engine.module, {}
     take_step = run.engine._take_model_step
     masters = lambda: {name: safe_get_full_fp32_param(p).clone() for name, p in module.named_parameters()}  # noqa: E731
@@ -207,11 +220,15 @@ def _losses(metrics: str) -> list[float]:
 
 
 def _assemble(out: str) -> dict:
-    """{"grads": full tensors, "update": full tensors} from the ranks' shares of one probe."""
+    """{"grads": full tensors, "update": full tensors} from the ranks' shares of one probe, on a GPU where there is
+    one: the comparisons take norms in float64 of every tensor four times, which for the 240M MoE model was about
+    ten seconds of one CPU core per probe (the test process runs with OMP_NUM_THREADS=1)."""
     import torch
     from hybridlm.model.weights import assemble_full
+    where = "cuda" if torch.cuda.is_available() else "cpu"
     shares = [torch.load(path, weights_only=False) for path in sorted(glob.glob(f"{out}.rank*"))]
-    return {what: assemble_full([share[what] for share in shares]) for what in shares[0]}
+    return {what: {name: tensor.to(where) for name, tensor in assemble_full([share[what] for share in shares]).items()}
+            for what in shares[0]}
 
 
 def _by_group(tensors: dict, reference: dict | None = None) -> dict:
@@ -314,8 +331,8 @@ def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | Non
             jobs.append(Job(f"probe {name} from {s}", ranks, [os.path.abspath(__file__), "--probe", os.path.join(work, f"probe_{slug}.json"),
                                                                "--"] + setup.model + flags + load + ["--train-iters", str(s + 2)],
                             os.path.join(work, f"probe_{slug}.log"), needs=[f"trajectory {SAVER}"]))
-    run_jobs(jobs)
-    summary = {"trajectories": {}, "probes": {}}
+    summary = {"trajectories": {}, "probes": {}, "jobs": run_jobs(jobs)}
+    started = time.perf_counter()
     for name in variants:
         if steps or name == SAVER:
             summary["trajectories"][name] = _losses(os.path.join(work, f"traj_{name.replace(' ', '_')}.jsonl"))
@@ -323,6 +340,7 @@ def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | Non
         summary["probes"][s] = compare_probes(work, s, variants)
         for name, fault in judge(summary["probes"][s]).items():
             summary["probes"][s][name]["fault"] = fault
+    summary["jobs"]["comparison"] = {"seconds": round(time.perf_counter() - started, 1), "setup": None}
     return summary
 
 

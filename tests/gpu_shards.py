@@ -10,7 +10,8 @@ runs the same checkout cuts the same shards; a machine with fewer GPUs runs its 
 skip with their reason.
 
 ``--gpu-record DIR`` appends one record per run to ``DIR/records.jsonl`` (case ``gpu-tests``, suite ``tests``): the
-shard, the counts, every skip's reason, the failures, each test's duration, the device and the commit. It is
+shard, the counts, every skip's reason, the failures, each test's duration, what a test said of itself through
+pytest's ``record_property`` (a slow test's breakdown, say), the device and the commit. It is
 rewritten after every test, so a run killed at its time limit still says how far it came.
 ``python -m benchmarks render --add DIR/records.jsonl`` files it; RESULTS.md shows the newest record of each shard.
 
@@ -163,6 +164,7 @@ class ShardPlugin:
         self.skips: dict[str, str] = {}
         self.failures: dict[str, str] = {}
         self.durations: dict[str, float] = {}
+        self.properties: dict[str, dict] = {}  # what a test said of itself (pytest's record_property), by test
         self.record: dict = {}
         if record_dir:
             from benchmarks.runner import current_commit, device_label_of, gpu_names
@@ -194,6 +196,7 @@ class ShardPlugin:
         self.skips.update({s["test"]: s["reason"] for s in earlier.get("skips", [])})
         self.failures.update({f["test"]: f["error"] for f in earlier.get("failures", [])})
         self.outcomes.update(earlier.get("outcomes", {}))
+        self.properties.update(earlier.get("properties", {}))
         self.record.update(command=earlier["command"] + " && " + self.record["command"], date=earlier["date"], time=earlier["time"])
 
     @pytest.hookimpl(trylast=True)  # after -m and -k have deselected: shards cut what is left
@@ -221,6 +224,8 @@ class ShardPlugin:
             self.failures[node] = f"{report.when}: {crash.message if crash else report.longreprtext.strip()[-1500:]}"[:1500]
         elif report.when == "call" and node not in self.outcomes:
             self.outcomes[node] = "xfailed" if hasattr(report, "wasxfail") else "passed"
+        if report.when == "call" and report.user_properties:
+            self.properties[node] = dict(report.user_properties)
         if report.when == "teardown":
             self._write(finished=False)
 
@@ -238,7 +243,7 @@ class ShardPlugin:
                   "figures": {**counts, "finished": finished},
                   "skips": [{"test": node, "reason": reason} for node, reason in self.skips.items()],
                   "failures": [{"test": node, "error": error} for node, error in self.failures.items()],
-                  "durations": self.durations, "outcomes": self.outcomes}
+                  "durations": self.durations, "outcomes": self.outcomes, "properties": self.properties}
         if not finished:
             record["error"] = (f"the {self.gpu_pass} pass ended; the passes after it (tests needing more GPUs) have not"
                                if self.gpu_pass not in (None, "whole") else "stopped before the shard's last test (killed at its time limit?)")

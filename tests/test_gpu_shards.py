@@ -79,9 +79,10 @@ def test_a_bad_shard_is_one_sentence(text):
         parse_shard(text)
 
 
-def _report(node, when, outcome, longrepr=None, duration=1.0):
+def _report(node, when, outcome, longrepr=None, duration=1.0, properties=()):
     return SimpleNamespace(nodeid=node, when=when, duration=duration, skipped=outcome == "skipped", failed=outcome == "failed",
-                           passed=outcome == "passed", longrepr=longrepr, longreprtext=str(longrepr or ""))
+                           passed=outcome == "passed", longrepr=longrepr, longreprtext=str(longrepr or ""),
+                           user_properties=list(properties))
 
 
 def test_the_record_counts_outcomes_keeps_skip_reasons_and_says_when_a_run_stopped_early(tmp_path):
@@ -98,6 +99,19 @@ def test_the_record_counts_outcomes_keeps_skip_reasons_and_says_when_a_run_stopp
     assert (record["case"], record["shard"], record["figures"]["finished"]) == ("gpu-tests", "2/3", True)
     assert record["skips"] == [{"test": "t::two", "reason": "needs 2 CUDA GPUs"}]
     assert record["failures"][0]["test"] == "t::bad" and record["durations"]["t::ok"] == 2.0
+
+
+def test_what_a_test_says_of_itself_reaches_the_record_and_survives_the_next_pass(tmp_path, monkeypatch):
+    # a slow test's breakdown (pytest's record_property): where its minutes went, readable without another GPU run
+    monkeypatch.setenv(CALL_ENV, "2026-11-28T030000-box")
+    jobs = {"probe EP4 from 3": {"seconds": 41.5, "setup": "set-up 20.1 s: imports 9.0, checkpoint 6.2 (seconds)"}}
+    first = ShardPlugin((1, 2), str(tmp_path), ["--shard=1/2", "--gpu-pass=lanes1"], "lanes1")
+    first.pytest_runtest_logreport(_report("t::slow", "call", "passed", properties=[("jobs", jobs)]))
+    first.pytest_runtest_logreport(_report("t::quiet", "call", "passed"))
+    first.pytest_sessionfinish(None, 0)
+    ShardPlugin((1, 2), str(tmp_path), ["--shard=1/2", "--gpu-pass=whole"], "whole").pytest_sessionfinish(None, 0)
+    [record] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert record["properties"] == {"t::slow": {"jobs": jobs}}
 
 
 def test_results_show_the_newest_record_of_each_shard():

@@ -145,12 +145,14 @@ def test_grouped_gemm_is_as_close_to_fp32_as_the_bf16_expert_loop_at_the_curve_m
 @pytest.mark.gpu
 @pytest.mark.gpus(4)
 @pytest.mark.gpu_seconds(260)  # its benchmark (saver to step 60, eight probes) took 272 s on 4 x H200; here the saver stops at 3
-def test_every_four_gpu_ep_layout_takes_one_gpus_step_on_the_same_weights(tmp_path):
+def test_every_four_gpu_ep_layout_takes_one_gpus_step_on_the_same_weights(tmp_path, record_property):
     # The sharp instrument for EP (benchmarks/same_weights.py --model moe): from one GPU's checkpoint, one step of
     # each layout; loss, clip norm and each group's gradient (dense, router, experts) against fp32 no further than
     # one GPU's own bf16 step is (at iteration 60 on 4 H200s: every layout within rounding, benchmarks/records).
+    # Its nine jobs' seconds and set-up phases go to the gpu-tests record: this one test is a shard's longest.
     from benchmarks.same_weights import SETUPS, faults, run
     summary = run(str(tmp_path), at=[3], steps=0, setup=SETUPS["moe"])
+    record_property("jobs", summary["jobs"])
     assert not faults(summary), faults(summary)
 
 # ---------------------------------------------------------------- every layout equals one process

@@ -53,6 +53,7 @@ from .preemption import EXIT_CODE as REQUEUE_EXIT_CODE, EarlyExit, Interrupted, 
 from .profiling import StepProfiler
 from .replicas import ReplicaCheck, ReplicasDiverged
 from .save_lock import SaveLock
+from .setup_clock import SetupClock
 from .step import release_cached_memory, run_step
 from .tasks import PretrainTask, build_task
 from .tracking import build_trackers, check_backends, close_all, log_all, wandb_run_id
@@ -147,6 +148,7 @@ class Run:
     phase: MicroBatchPhase = field(default_factory=MicroBatchPhase)  # read by TE's FP8 weight cache
     main_grads: Optional[MainGrads] = None  # --gradient-accumulation-fusion: zeroed before each step
     wandb_run_id: Optional[str] = None  # rank 0's W&B run, stored in checkpoints so a resume continues it
+    setup: Optional[SetupClock] = None  # how long build_run's parts took (printed before the first step)
 
     def __post_init__(self):
         if self.task is None:
@@ -157,29 +159,37 @@ class Run:
         return self.cfg.train.global_batch_size * self.task.rows_per_sample * self.cfg.model.seq_length
 
 
-def build_run(cfg: RunConfig, ds_config: dict) -> Run:
+def build_run(cfg: RunConfig, ds_config: dict, clock: Optional[SetupClock] = None) -> Run:
     """Everything after validation, each part built from the ones before it: process groups, the
     model (its layers, weights and execution policy), the engine around it, the resumed state,
-    and CUDA graphs of the layers where the engine placed them."""
+    and CUDA graphs of the layers where the engine placed them; ``clock`` times each part."""
+    clock = clock or SetupClock()
     task = build_task(cfg)
-    ps = start_process_groups(cfg)
-    phase = MicroBatchPhase()  # where a forward sits in the step: TE's FP8 weight cache reads it
-    factory = layer_factory(cfg, ps, phase)
-    reducer = LossReducer(ps.tp, ps.cp, factory.sequence_parallel)
-    recipe = fp8_recipe(cfg.model)
-    model = build_model(cfg.model, factory, topology=ps.topology, loss=task.loss(reducer),
-                        layer_context=lambda: fp8_context(recipe))
-    init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
-    set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
-    apply_execution_policy(cfg, model, reducer)
-    # before deepspeed.initialize: its gradient hooks must come after the fusion's
-    main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
-    engine = start_engine(cfg, ds_config, model, ps)
-    run = Run(cfg, ps, engine, cfg.parallel.pipeline_model_parallel_size > 1, *task.datasets(), task, phase=phase,
-              main_grads=main_grads)
-    resume(run)
+    with clock.phase("process groups"):
+        ps = start_process_groups(cfg)
+    with clock.phase("model"):
+        phase = MicroBatchPhase()  # where a forward sits in the step: TE's FP8 weight cache reads it
+        factory = layer_factory(cfg, ps, phase)
+        reducer = LossReducer(ps.tp, ps.cp, factory.sequence_parallel)
+        recipe = fp8_recipe(cfg.model)
+        model = build_model(cfg.model, factory, topology=ps.topology, loss=task.loss(reducer),
+                            layer_context=lambda: fp8_context(recipe))
+        init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
+        set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
+        apply_execution_policy(cfg, model, reducer)
+        # before deepspeed.initialize: its gradient hooks must come after the fusion's
+        main_grads = MainGrads(te_modules_in(model), model_dtype(cfg)) if cfg.model.gradient_accumulation_fusion else None
+    with clock.phase("engine"):
+        engine = start_engine(cfg, ds_config, model, ps)
+    with clock.phase("data"):
+        datasets = task.datasets()
+    run = Run(cfg, ps, engine, cfg.parallel.pipeline_model_parallel_size > 1, *datasets, task, phase=phase,
+              main_grads=main_grads, setup=clock)
+    with clock.phase("checkpoint" if cfg.train.load else "task"):
+        resume(run)
     if cfg.model.cuda_graphs:
-        capture(run, recipe)
+        with clock.phase("CUDA graphs"):
+            capture(run, recipe)
     return run
 
 
@@ -357,20 +367,22 @@ def save_checkpoint(run: Run) -> None:
 def pretrain(argv: Optional[list[str]] = None, parse=parse_args) -> list[dict]:
     """The whole job (any --task). Returns the logged records (for tests and benchmarks)."""
     started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron's from its start-up
-    cfg, ds_config = prepare_config(parse(argv))
+    clock = SetupClock()
+    with clock.phase("flags"):
+        cfg, ds_config = prepare_config(parse(argv))
     lock = SaveLock.for_run(cfg)
     early_exit = EarlyExit(cfg.train, started)  # before the slow set-up: a signal may come during it
     try:
-        return train(cfg, ds_config, early_exit)
+        return train(cfg, ds_config, early_exit, clock)
     finally:  # whatever ended the run: the signal dispositions it found, and --save free for the next run
         early_exit.restore()
         if lock is not None:
             lock.release()
 
 
-def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit) -> list[dict]:
+def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit, clock: Optional[SetupClock] = None) -> list[dict]:
     """The job after validation: set-up, the loop, the final save."""
-    run = build_run(cfg, ds_config)
+    run = build_run(cfg, ds_config, clock)
     t = cfg.train
     rank0 = dist.get_rank() == 0
     if run.iteration >= t.train_iters:  # a requeue after the end, or a shorter --train-iters: exit 0 as Megatron does
@@ -395,6 +407,7 @@ def train(cfg: RunConfig, ds_config: dict, early_exit: EarlyExit) -> list[dict]:
             print(f"hybridlm: {run.task.describe()}", flush=True)
         if cfg.model.lora_rank:
             print(f"hybridlm: {describe_adapters(run.engine.module, cfg.model)}", flush=True)
+        print(f"hybridlm: {run.setup.line()}", flush=True)
     if t.save and rank0:
         checkpoint.write_run_files(t.save, cfg, ds_config)
     trackers = build_trackers(rank=dist.get_rank(), wandb_project=t.wandb_project, wandb_name=t.wandb_name,
