@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stage what the benchmark suite needs on the GPU machine (no internet there) into the git-ignored .device/:
-#   1. the wheel bundles, through the shared stage.sh (default: ds te = DeepSpeed + Transformer Engine)
+#   1. the wheel bundles, through the shared stage.sh (default: ds te = DeepSpeed + Transformer Engine), with
+#      benchmarks/device_install.sh as .device/install.sh: it installs them once per machine
 #   2. Megatron-LM's source, for the megatron-lm peer: megatron/core, megatron/training, pretrain_gpt.py with its
 #      two builder modules, tools/preprocess_data.py, as one tarball (~2 MB; benchmarks/megatron.py unpacks it),
 #      taken with `git archive` from MEGATRON_LM (a Megatron-LM clone, work tree or bare) at MEGATRON_REF (HEAD)
@@ -13,6 +14,9 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 bundles=("$@"); [ ${#bundles[@]} -eq 0 ] && bundles=(ds te)
 "${HYBRIDLM_DEVICE_BUNDLES:-$root/../shared/device}/stage.sh" "${bundles[@]}"
+# the shared installer runs once per machine behind benchmarks/device_install.sh (a warm machine keeps /tmp/site)
+mv .device/install.sh .device/install_bundles.sh
+cp benchmarks/device_install.sh .device/install.sh
 if [ -n "${MEGATRON_LM:-}" ]; then
   mkdir -p .device/megatron
   git -C "$MEGATRON_LM" archive --format=tar "${MEGATRON_REF:-HEAD}" megatron/core megatron/training pretrain_gpt.py \

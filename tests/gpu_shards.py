@@ -41,6 +41,7 @@ CUT_FOR_GPUS = 4  # the machine the shards are cut for (the cut is the same on e
 PASSES = tuple(f"lanes{width}" for width in LANE_WIDTHS) + ("whole",)
 LANES_ENV = "HYBRIDLM_GPU_LANES"  # the lanes of a run, e.g. "0,1;2,3": an xdist worker gwK takes the K-th
 CALL_ENV = "HYBRIDLM_GPU_CALL"  # one record for the passes of one shard
+PLAN_ENV = "HYBRIDLM_GPU_PLAN"  # a file for the shard's count of tests in each pass, so empty passes are not started
 
 
 def lanes_of(visible: list[str], width: int) -> list[list[str]]:
@@ -207,6 +208,7 @@ class ShardPlugin:
             from benchmarks.records import load_all
             k, n = self.shard
             keep = set(assign(sorted(keep), n, expected_durations(load_all(), items), needs)[k - 1])
+        write_plan(os.environ.get(PLAN_ENV), {p: sum(1 for node in keep if _in_pass(needs[node], p)) for p in PASSES})
         if self.gpu_pass:  # after the shard's cut, so the passes split one shard
             keep = {node for node in keep if _in_pass(needs[node], self.gpu_pass)}
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
@@ -230,8 +232,8 @@ class ShardPlugin:
             self._write(finished=False)
 
     def pytest_sessionfinish(self, session, exitstatus):
-        # the lanes passes come first (tests/gpu_suite.py): the shard is finished when the whole pass is
-        self._write(finished=self.gpu_pass in (None, "whole"))
+        # a pass of a shard leaves the record unfinished: tests/gpu_suite.py finishes it once every pass has run
+        self._write(finished=self.gpu_pass is None)
 
     def _write(self, finished: bool) -> None:
         if not self.record_dir:
@@ -245,8 +247,8 @@ class ShardPlugin:
                   "failures": [{"test": node, "error": error} for node, error in self.failures.items()],
                   "durations": self.durations, "outcomes": self.outcomes, "properties": self.properties}
         if not finished:
-            record["error"] = (f"the {self.gpu_pass} pass ended; the passes after it (tests needing more GPUs) have not"
-                               if self.gpu_pass not in (None, "whole") else "stopped before the shard's last test (killed at its time limit?)")
+            record["error"] = (f"not every pass of the shard ran to its end (the last to write: {self.gpu_pass}; killed at the time limit?)"
+                               if self.gpu_pass else "stopped before the shard's last test (killed at its time limit?)")
         os.makedirs(self.record_dir, exist_ok=True)
         path = os.path.join(self.record_dir, "records.jsonl")
         others = []
@@ -257,6 +259,47 @@ class ShardPlugin:
         with open(path + ".tmp", "w") as f:
             f.writelines(others + [json.dumps(record) + "\n"])
         os.replace(path + ".tmp", path)
+
+
+def write_plan(path: Optional[str], counts: dict[str, int]) -> None:
+    """The shard's count of tests per pass, for tests/gpu_suite.py (each xdist worker cuts the same shard and writes
+    the same counts; a rename makes each write whole)."""
+    if not path:
+        return
+    with open(f"{path}.{os.getpid()}", "w") as f:
+        json.dump(counts, f)
+    os.replace(f"{path}.{os.getpid()}", path)
+
+
+def read_plan(path: str) -> Optional[dict[str, int]]:
+    """What ``write_plan`` wrote, or None before the first pass has collected."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def finish_record(record_dir: str, call: str) -> Optional[dict]:
+    """Mark the call's record finished once every pass of its shard has run (tests/gpu_suite.py): its status from
+    its counts, the unfinished pass's note gone. Returns the record, or None if no pass wrote one."""
+    path = os.path.join(record_dir, "records.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    mine = [r for r in records if r.get("call") == call]
+    if not mine:
+        return None
+    record = mine[-1]
+    figures = record["figures"]
+    record["figures"] = {**figures, "finished": True}
+    record["status"] = "ok" if not figures.get("failed") and not figures.get("error") else "failed"
+    record.pop("error", None)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
+    return record
 
 
 def requested(config) -> bool:

@@ -5,8 +5,10 @@
 Most GPU tests need one GPU, some two, and each spends most of its time starting processes, so the shard runs in
 passes by the GPUs its tests need (tests/gpu_shards.py): the one-GPU tests on pytest-xdist workers that each see one
 GPU (four at once on four GPUs), the two-GPU tests on workers that each see a lane of two, then the tests marked
-``gpus(n)`` for more, on every GPU. The passes write one ``gpu-tests`` record of the shard. The exit code is the first
-failing pass's (a pass with no test of its kind is not a failure).
+``gpus(n)`` for more, on every GPU. The passes write one ``gpu-tests`` record of the shard, marked finished here once
+every pass has run. The first pass says how many of the shard's tests each pass has (``HYBRIDLM_GPU_PLAN``), and a
+pass with none is not started: a pytest start with its collection costs 15-25 s on the GPU machine. The exit code is
+the first failing pass's (a pass with no test of its kind is not a failure).
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_shards import CALL_ENV, LANE_WIDTHS, LANES_ENV, lanes_of  # noqa: E402
+from gpu_shards import CALL_ENV, LANE_WIDTHS, LANES_ENV, PLAN_ENV, finish_record, lanes_of, read_plan  # noqa: E402
 
 NO_TESTS_COLLECTED = 5  # pytest's exit code when -m / the pass leave nothing to run
+PYTEST_TESTS_FAILED = 1  # a pass that ran to its end with failures (2-4: interrupted, internal or usage error)
 
 
 def visible_gpus() -> list[str]:
@@ -57,12 +61,22 @@ def main() -> int:
     parser.add_argument("--lanes", type=int, default=None, help="at most this many lanes at once (default: all the GPUs hold; 1: one pytest a pass)")
     parser.add_argument("extra", nargs="*", help="more pytest arguments (after --)")
     args = parser.parse_args()
+    commands = passes(args.shard, args.record, visible_gpus(), args.lanes, args.extra)
     failed = []
-    for command, env in passes(args.shard, args.record, visible_gpus(), args.lanes, args.extra):
-        print("+ " + " ".join(command), flush=True)
-        code = subprocess.call(command, env=env, cwd=os.path.dirname(HERE))
-        if code not in (0, NO_TESTS_COLLECTED):
-            failed.append(code)
+    with tempfile.TemporaryDirectory(prefix="gpu_plan_") as folder:
+        plan = os.path.join(folder, "plan.json")
+        for command, env in commands:
+            gpu_pass = next(a.split("=", 1)[1] for a in command if a.startswith("--gpu-pass="))
+            counts = read_plan(plan)
+            if counts is not None and counts.get(gpu_pass) == 0:
+                print(f"+ the {gpu_pass} pass: none of the shard's tests, not started", flush=True)
+                continue
+            print("+ " + " ".join(command), flush=True)
+            code = subprocess.call(command, env={**env, PLAN_ENV: plan}, cwd=os.path.dirname(HERE))
+            if code not in (0, NO_TESTS_COLLECTED):
+                failed.append(code)
+    if args.record and all(code == PYTEST_TESTS_FAILED for code in failed):  # every pass ran to its end
+        finish_record(args.record, commands[0][1][CALL_ENV])
     return failed[0] if failed else 0
 
 

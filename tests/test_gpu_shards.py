@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.render import gpu_tests_markdown
-from gpu_shards import (CALL_ENV, LANES_ENV, PASSES, ShardPlugin, assign, expected_durations, lanes_of, measured_durations,
-                        parse_shard, pin_lane, skipped_durations)
+from gpu_shards import (CALL_ENV, LANES_ENV, PASSES, PLAN_ENV, ShardPlugin, assign, expected_durations, finish_record, lanes_of,
+                        measured_durations, parse_shard, pin_lane, read_plan, skipped_durations)
 
 NODES = [f"tests/test_{f}.py::t{i}" for f in "abcd" for i in range(3)] + ["tests/test_big.py::slow", "tests/test_big.py::fast"]
 
@@ -110,6 +110,7 @@ def test_what_a_test_says_of_itself_reaches_the_record_and_survives_the_next_pas
     first.pytest_runtest_logreport(_report("t::quiet", "call", "passed"))
     first.pytest_sessionfinish(None, 0)
     ShardPlugin((1, 2), str(tmp_path), ["--shard=1/2", "--gpu-pass=whole"], "whole").pytest_sessionfinish(None, 0)
+    finish_record(str(tmp_path), "2026-11-28T030000-box")
     [record] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert record["properties"] == {"t::slow": {"jobs": jobs}}
 
@@ -191,12 +192,15 @@ def test_the_second_pass_adds_to_the_first_passs_record_of_the_shard(tmp_path, m
     first.pytest_sessionfinish(None, 1)
     [after_lanes] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert after_lanes["figures"]["finished"] is False, "a shard whose whole pass was killed once claimed to be finished"
-    assert "passes after it" in after_lanes["error"]
+    assert "not every pass" in after_lanes["error"]
     second = ShardPlugin((1, 2), str(tmp_path), ["-m", "gpu", "--shard=1/2", "--gpu-pass=whole"], "whole")
     second.pytest_runtest_logreport(_report("t::four", "setup", "skipped", ("t.py", 9, "Skipped: needs 4 CUDA GPUs (NCCL)")))
     second.pytest_sessionfinish(None, 0)
+    [unfinished] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert unfinished["figures"]["finished"] is False, "only the suite, having run every pass, says the shard finished"
+    finish_record(str(tmp_path), "2026-11-27T180000-box")
     [record] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
-    assert (record["call"], record["shard"]) == ("2026-11-27T180000-box", "1/2")
+    assert (record["call"], record["shard"]) == ("2026-11-27T180000-box", "1/2") and "error" not in record
     assert record["figures"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1, "xfailed": 0, "finished": True}
     assert record["status"] == "failed" and record["failures"][0]["test"] == "t::two"
     assert set(record["durations"]) == {"t::one", "t::two", "t::four"} and "&&" in record["command"]
@@ -219,3 +223,40 @@ def test_two_gpus_make_two_one_gpu_lanes_and_one_pytest_for_the_two_gpu_tests():
     assert "-n" not in two and LANES_ENV not in two_env
     for laned, env in passes("1/4", None, ["0", "1", "2", "3"], 1, [])[:2]:  # LANES=1: one test at a time
         assert "-n" not in laned and LANES_ENV not in env
+
+
+def test_the_first_pass_tells_the_suite_how_many_tests_each_pass_has(tmp_path, monkeypatch):
+    plan = tmp_path / "plan.json"
+    monkeypatch.setenv(PLAN_ENV, str(plan))
+    items = [_item(n) for n in NODES] + [_item("tests/test_e.py::two", 2)]
+    config = SimpleNamespace(hook=SimpleNamespace(pytest_deselected=lambda items: None))
+    kept = list(items)
+    ShardPlugin((1, 1), None, [], "lanes1").pytest_collection_modifyitems(None, config, kept)
+    assert read_plan(str(plan)) == {"lanes1": len(NODES), "lanes2": 1, "whole": 0} and len(kept) == len(NODES)
+
+
+@pytest.mark.parametrize("exits, finished", [((0, 1, 0), True), ((0, 2, 0), False)], ids=["failures", "interrupted"])
+def test_the_suite_skips_passes_with_no_tests_and_finishes_the_record_only_when_every_pass_ran(tmp_path, monkeypatch, exits, finished):
+    # Each pytest start costs 15-25 s on the GPU machine, so a pass the first one counted empty is not started; and
+    # a record is finished only when no pass was cut short (exit 2-4: interrupted, internal or usage error).
+    import gpu_suite
+    started, codes = [], iter(exits)
+
+    def fake_pytest(command, env, cwd):  # the passes' pytest, which here only writes what a real first pass writes
+        gpu_pass = next(a.split("=", 1)[1] for a in command if a.startswith("--gpu-pass="))
+        started.append(gpu_pass)
+        if gpu_pass == "lanes1":
+            with open(env[PLAN_ENV], "w") as f:
+                json.dump({"lanes1": 5, "lanes2": 2, "whole": 0}, f)
+        plugin = ShardPlugin((1, 4), str(tmp_path), ["--shard=1/4"], gpu_pass)
+        plugin.pytest_runtest_logreport(_report(f"t::{gpu_pass}", "call", "passed"))
+        plugin.pytest_sessionfinish(None, 0)
+        return next(codes)
+
+    monkeypatch.setattr(gpu_suite.subprocess, "call", fake_pytest)
+    monkeypatch.setattr(gpu_suite, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    monkeypatch.setattr("sys.argv", ["gpu_suite.py", "--shard", "1/4", "--record", str(tmp_path)])
+    code = gpu_suite.main()
+    assert started == ["lanes1", "lanes2"], "the whole pass had none of the shard's tests"
+    [record] = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert record["figures"]["finished"] is finished and code == max(exits)
