@@ -12,7 +12,8 @@ Two models (``SETUPS``):
 
 1. Trajectories (``--steps`` > 0): that many steps of every variant from the same seed and data. The one-GPU bf16
    run ("the saver") always runs, up to the last probe iteration, and saves every probe iteration.
-2. Probes: from the saver's checkpoint of iteration S (each of ``--at``), each variant runs two steps: the first on
+2. Probes: from the saver's checkpoint of iteration S (each of ``--at``; 0: from the seed's weights, which every
+   layout builds alike, with no checkpoint and, without trajectories, no saver), each variant runs two steps: the first on
    those weights and step S+1's batch, the second on the weights its own update made. Of the first step each rank
    keeps its share of the full gradient (as DeepSpeed is about to apply it, reduced over DP / expert-DP, before
    clipping) and of the update of DeepSpeed's fp32 master weights; the parent assembles them into full tensors and
@@ -307,16 +308,19 @@ def judge(by_variant: dict) -> dict[str, str | None]:
 
 def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | None = None) -> dict:
     """The trajectories (``steps`` each; with 0 only the saver, up to max(at)) and the probes from each iteration in
-    ``at``; returns {"trajectories": {variant: losses}, "probes": {iteration: {variant: figures}}}. ``variants`` (default:
-    the setup's) must hold the saver and the fp32 reference."""
+    ``at``; returns {"trajectories": {variant: losses}, "probes": {iteration: {variant: figures}}, "jobs": {job:
+    seconds and set-up line}}. ``variants`` (default: the setup's) must hold the saver and the fp32 reference. A probe
+    from iteration 0 starts from the seed's weights, which every layout builds alike (``init_parameters``), without a
+    checkpoint: with no other iteration and no trajectory, no saver runs."""
     variants = variants or setup.variants
     os.makedirs(work, exist_ok=True)
     ckpt = os.path.join(work, "ckpt")
     pretrain = os.path.join(ROOT, "scripts", "pretrain.py")
-    saves = ["--save", ckpt, "--save-interval", str(math.gcd(*at))] if at else []
+    saved = [s for s in at if s > 0]
+    saves = ["--save", ckpt, "--save-interval", str(math.gcd(*saved))] if saved else []
     jobs = []
     for name, (ranks, flags) in variants.items():
-        if not steps and name != SAVER:
+        if not steps and (name != SAVER or not saved):
             continue
         slug = name.replace(" ", "_")
         extra = saves if name == SAVER else []
@@ -327,14 +331,14 @@ def run(work: str, at: list[int], steps: int, setup: Setup, variants: dict | Non
         for name, (ranks, flags) in variants.items():
             slug = f"{name.replace(' ', '_')}_{s}"
             # fp32 from a bf16 checkpoint: the weights only (its Adam state is not comparable); same iteration
-            load = ["--load", ckpt, "--ckpt-step", str(s)] + (["--no-load-optim"] if name == REFERENCE else [])
+            load = (["--load", ckpt, "--ckpt-step", str(s)] + (["--no-load-optim"] if name == REFERENCE else [])) if s else []
             jobs.append(Job(f"probe {name} from {s}", ranks, [os.path.abspath(__file__), "--probe", os.path.join(work, f"probe_{slug}.json"),
                                                                "--"] + setup.model + flags + load + ["--train-iters", str(s + 2)],
-                            os.path.join(work, f"probe_{slug}.log"), needs=[f"trajectory {SAVER}"]))
+                            os.path.join(work, f"probe_{slug}.log"), needs=[f"trajectory {SAVER}"] if s else []))
     summary = {"trajectories": {}, "probes": {}, "jobs": run_jobs(jobs)}
     started = time.perf_counter()
     for name in variants:
-        if steps or name == SAVER:
+        if steps or (name == SAVER and saved):
             summary["trajectories"][name] = _losses(os.path.join(work, f"traj_{name.replace(' ', '_')}.jsonl"))
     for s in at:
         summary["probes"][s] = compare_probes(work, s, variants)
@@ -408,7 +412,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(SETUPS), default="cp", help="which model and layouts (see the module docstring)")
     parser.add_argument("--at", default=None, help="iterations whose one-GPU checkpoint the probes start from (default: the "
-                        "model's: cp 14,15, moe 60; '': none)")
+                        "model's: cp 14,15, moe 60; 0: the seed's weights, no checkpoint; '': none)")
     parser.add_argument("--steps", type=int, default=20, help="steps of each trajectory (0: only the saver's, up to the last --at)")
     parser.add_argument("--variants", default=None, help="a comma list of the model's variants (the saver and fp32 always run)")
     parser.add_argument("--out", default=None, help="folder for checkpoints, logs and results (default: a temporary one)")

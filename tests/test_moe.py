@@ -144,14 +144,17 @@ def test_grouped_gemm_is_as_close_to_fp32_as_the_bf16_expert_loop_at_the_curve_m
 
 @pytest.mark.gpu
 @pytest.mark.gpus(4)
-@pytest.mark.gpu_seconds(260)  # its benchmark (saver to step 60, eight probes) took 272 s on 4 x H200; here the saver stops at 3
+@pytest.mark.gpu_seconds(300)  # 399 s on 4 x H200 (d22e087) with a saver to step 3 and eight checkpoint loads
 def test_every_four_gpu_ep_layout_takes_one_gpus_step_on_the_same_weights(tmp_path, record_property):
-    # The sharp instrument for EP (benchmarks/same_weights.py --model moe): from one GPU's checkpoint, one step of
-    # each layout; loss, clip norm and each group's gradient (dense, router, experts) against fp32 no further than
-    # one GPU's own bf16 step is (at iteration 60 on 4 H200s: every layout within rounding, benchmarks/records).
-    # Its nine jobs' seconds and set-up phases go to the gpu-tests record: this one test is a shard's longest.
+    # The sharp instrument for EP (benchmarks/same_weights.py --model moe): from the same weights, one step of each
+    # layout; loss, clip norm and each group's gradient (dense, router, experts) against fp32 no further than one
+    # GPU's own bf16 step is (from a checkpoint of iteration 60 on 4 H200s: every layout within rounding,
+    # benchmarks/records). Here the weights are the seed's, which every layout builds alike: the saver and its
+    # checkpoint were a serial launch and a 3.5 GiB load in each probe, for weights that three
+    # warm-up steps (lr 4.5e-5 at step 3) had hardly moved. Resharding a checkpoint is the benchmark's to check, and
+    # the CPU suite's (test_reshape.py). The jobs' seconds and set-up phases go to the gpu-tests record.
     from benchmarks.same_weights import SETUPS, faults, run
-    summary = run(str(tmp_path), at=[3], steps=0, setup=SETUPS["moe"])
+    summary = run(str(tmp_path), at=[0], steps=0, setup=SETUPS["moe"])
     record_property("jobs", summary["jobs"])
     assert not faults(summary), faults(summary)
 
