@@ -79,8 +79,8 @@ def _train_keeping_micro_batch_gradients(flags: list[str]) -> tuple[list[dict], 
     from hybridlm.training import trainer
     build, steps = trainer.build_run, []
 
-    def build_and_watch(cfg, ds):
-        run = build(cfg, ds)
+    def build_and_watch(cfg, ds, *rest):
+        run = build(cfg, ds, *rest)
         engine, params = run.engine, [p for p in run.engine.module.parameters() if p.requires_grad]
         backward = engine.backward
 
