@@ -22,7 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from gpu_shards import CALL_ENV, LANE_WIDTHS, LANES_ENV, PLAN_ENV, finish_record, lanes_of, read_plan  # noqa: E402
+from gpu_shards import CALL_ENV, LANE_WIDTHS, LANES_ENV, PASSES, PLAN_ENV, finish_record, lanes_of, read_plan  # noqa: E402
 
 NO_TESTS_COLLECTED = 5  # pytest's exit code when -m / the pass leave nothing to run
 PYTEST_TESTS_FAILED = 1  # a pass that ran to its end with failures (2-4: interrupted, internal or usage error)
@@ -65,8 +65,7 @@ def main() -> int:
     failed = []
     with tempfile.TemporaryDirectory(prefix="gpu_plan_") as folder:
         plan = os.path.join(folder, "plan.json")
-        for command, env in commands:
-            gpu_pass = next(a.split("=", 1)[1] for a in command if a.startswith("--gpu-pass="))
+        for gpu_pass, (command, env) in zip(PASSES, commands):  # passes() gives them in PASSES' order
             counts = read_plan(plan)
             if counts is not None and counts.get(gpu_pass) == 0:
                 print(f"+ the {gpu_pass} pass: none of the shard's tests, not started", flush=True)
