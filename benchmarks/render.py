@@ -127,24 +127,59 @@ def suite_markdown(suite: str, records: list[dict]) -> list[str]:
     return lines
 
 
+def _cut(shard: str) -> int | None:
+    """N of a shard named k/N; None for a record of named tests (*part*)."""
+    return int(shard.split("/")[1]) if "/" in shard else None
+
+
+def _whole_suite_passes(records: list[dict]) -> list[tuple[str, str, str, int]]:
+    """(date, commit, device, N) of every commit at which shards 1..N of one cut each have a finished record on one
+    device with no failure and no error, newest first: the times the whole GPU suite passed."""
+    passing: dict[tuple, set[str]] = {}
+    dates: dict[tuple, str] = {}
+    for r in records:
+        f, shard = r.get("figures", {}), r.get("shard", "")
+        if _cut(shard) and f.get("finished") and not f.get("failed") and not f.get("error"):
+            key = (r.get("commit", ""), r.get("device", ""), _cut(shard))
+            passing.setdefault(key, set()).add(shard)
+            dates[key] = max(dates.get(key, ""), r.get("time", r.get("date", "")))
+    whole = [(dates[k][:10], *k) for k, shards in passing.items() if shards >= {f"{i}/{k[2]}" for i in range(1, k[2] + 1)}]
+    return sorted(whole, key=lambda w: dates[w[1:]], reverse=True)
+
+
 def gpu_tests_markdown(records: list[dict]) -> list[str]:
-    """The newest gpu-tests record of each shard (tests/gpu_shards.py): when the GPU suite last passed, where, at what
-    commit, and why each skipped test skipped."""
-    newest: dict[str, dict] = {}
-    for r in newest_first([r for r in records if r.get("case") == "gpu-tests"]):
-        newest.setdefault(r.get("shard", "all"), r)
-    if not newest:
+    """The newest gpu-tests record of each shard of the newest cut (tests/gpu_shards.py), and the last time every shard of
+    one cut passed at one commit: when the GPU suite last passed, where, at what commit, and why each skipped test
+    skipped. Records of an older cut (other shard counts cut the suite elsewhere) are counted, not shown."""
+    ordered = newest_first([r for r in records if r.get("case") == "gpu-tests"])
+    if not ordered:
         return []
+    cuts = [_cut(r.get("shard", "all")) for r in ordered]
+    cut = next((n for n in cuts if n), None)
+    newest: dict[str, dict] = {}
+    older: dict[str, dict] = {}
+    for r, n in zip(ordered, cuts):
+        (newest if n in (cut, None) else older).setdefault(r.get("shard", "all"), r)
     lines = ["## GPU tests", "", "`pytest -m gpu` in shards on the GPU machine: `make test-gpu SHARD=K/N RECORD=DIR`, then "
              "`python -m benchmarks render --add DIR/records.jsonl`. The newest record of each shard (*part*: a run of "
-             "named tests; *finished* no: stopped at its time limit, the counts are how far it came).", "",
-             "| shard | date | device | commit | passed | failed | errors | skipped | finished | wall s | command |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "named tests; *finished* no: stopped at its time limit, the counts are how far it came).", ""]
+    whole = _whole_suite_passes(ordered)
+    if whole:
+        date, commit, device, n = whole[0]
+        lines += [f"The whole GPU suite last passed on {date} at {commit} on {device}: all {n} shards finished with no "
+                  "failure.", ""]
+    else:
+        lines += ["The whole GPU suite has not yet passed: no commit has every shard of one cut finished without failure.", ""]
+    lines += ["| shard | date | device | commit | passed | failed | errors | skipped | finished | wall s | command |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for shard, r in sorted(newest.items()):
         f = r.get("figures", {})
         lines.append(f"| {shard} | {r.get('date', '')} | {r.get('device', '')} | {r.get('commit', '')} | {f.get('passed', '')} | "
                      f"{f.get('failed', '')} | {f.get('error', '')} | {f.get('skipped', '')} | {'yes' if f.get('finished') else 'no'} "
                      f"| {r.get('wall_s', '')} | `{r.get('command', '')}` |")
+    if older:
+        lines += ["", f"Not shown: the newest records of {len(older)} shards of other cuts "
+                  f"({', '.join(sorted(older))}, newest {max(r.get('date', '') for r in older.values())})."]
     failures = [(shard, x) for shard, r in sorted(newest.items()) for x in r.get("failures", [])]
     if failures:
         lines += ["", "Failures:", ""] + [f"- {shard} `{x['test']}`: {x['error'].splitlines()[0][:300]}" for shard, x in failures]

@@ -126,6 +126,21 @@ def test_results_show_the_newest_record_of_each_shard():
     assert "| 2/2 |" in text and "t::x" in text and "1 x needs 4 CUDA GPUs (NCCL)" in text
 
 
+def test_results_say_when_every_shard_of_one_cut_last_passed_and_leave_older_cuts_out_of_the_table():
+    def shard(k, n, commit, time, failed=0, finished=True):
+        return {"case": "gpu-tests", "shard": f"{k}/{n}", "date": time[:10], "time": time, "commit": commit,
+                "device": "4x H200", "figures": {"passed": 3, "failed": failed, "finished": finished}, "failures": []}
+    two_cut = [shard(1, 2, "aaa", "2026-11-27T10:00:00", failed=3), shard(2, 2, "aaa", "2026-11-27T11:00:00")]
+    three_of_four = [shard(k, 4, "bbb", f"2026-11-28T0{k}:00:00") for k in (1, 2, 4)]
+    text = "\n".join(gpu_tests_markdown(two_cut + three_of_four))
+    assert "has not yet passed" in text and "| 1/2 |" not in text and "1/2, 2/2" in text
+    assert "| 4/4 |" in text and "| 3/4 |" not in text
+    unfinished = "\n".join(gpu_tests_markdown(two_cut + three_of_four + [shard(3, 4, "bbb", "2026-11-28T05:00:00", finished=False)]))
+    assert "has not yet passed" in unfinished
+    whole = "\n".join(gpu_tests_markdown(two_cut + three_of_four + [shard(3, 4, "bbb", "2026-11-28T05:00:00")]))
+    assert "last passed on 2026-11-28 at bbb on 4x H200: all 4 shards" in whole
+
+
 def test_gpus_are_cut_into_lanes_of_a_width_and_too_few_make_one_lane_of_all():
     assert lanes_of(["0", "1", "2", "3"], 2) == [["0", "1"], ["2", "3"]]
     assert lanes_of(["0", "1", "2", "3"], 1) == [["0"], ["1"], ["2"], ["3"]]
