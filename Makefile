@@ -8,6 +8,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hybridlm-installed
+# How the targets run a command: the venv's bin first on PATH (launchers, ranks), and Python left to write the .pyc
+# of each module it imports, once, for every later process; where PYTHONDONTWRITEBYTECODE is set, each of the
+# suite's hundreds of interpreters (launchers, ranks) would otherwise compile all it imports again.
+RUN = env -u PYTHONDONTWRITEBYTECODE PATH=$(abspath $(VENV))/bin:$$PATH
 
 # Optional system packages for tests that skip without them: a local Slurm (tests/test_slurm.py)
 # and Open MPI (tests/test_mpi.py). Installed where we may (root with apt), else a note.
@@ -20,20 +24,18 @@ venv: $(STAMP)
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@# pip byte-compiles one file at a time (~30 s of the venv's minute); compileall below does it on every core.
-	@# Without the .pyc files every process would compile what it imports, where PYTHONDONTWRITEBYTECODE is set.
+	@# No byte-compiling at install (pip's, one file at a time, was ~30 s of the venv's minute; compileall of all of
+	@# torch, transformers and sympy 26 s on 2 cores): Python writes the .pyc of what is imported, once (see RUN).
 	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
 	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile -c $(VENV)/constraints.txt -e ".[dev]"
-	@# a few files of some packages are not Python 3 and fail here, as pip's own compile skips them
-	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null 2>&1 || true
 	@# NVMe offload (ZeRO-Infinity) needs libaio; install it where we may (root with apt), else its test skips.
 	@dpkg -s libaio-dev >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		(apt-get update -qq && apt-get install -y -qq libaio-dev >/dev/null) || echo "note: libaio-dev not installed; NVMe offload unavailable"; }
 	touch $(STAMP)
 
 train: venv
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} PATH=$(abspath $(VENV))/bin:$$PATH deepspeed scripts/pretrain.py --deepspeed_config ds_configs/zero1.json
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(RUN) deepspeed scripts/pretrain.py --deepspeed_config ds_configs/zero1.json
 
 test-system-packages:
 	@missing=$$(for p in $(TEST_SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -49,13 +51,10 @@ test-system-packages:
 PYTEST_WORKERS ?= 2
 
 test: venv test-system-packages
-	@# Byte-compile the project once: many tests start fresh interpreters (launchers, ranks), and where
-	@# PYTHONDONTWRITEBYTECODE is set each of them would compile it again (~0.3 s of CPU a process).
-	$(PY) -m compileall -q -j 0 hybridlm scripts tests benchmarks > /dev/null
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
+	$(RUN) $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 test-fast: venv test-system-packages
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -m "not slow"
+	$(RUN) $(PY) -m pytest -m "not slow"
 
 # The GPU suite on the GPU machine, in shards that each finish within 8 minutes on four GPUs (tests/gpu_shards.py):
 #   make test-gpu SHARD=1/4 RECORD=$$OUT     (its own Python: the GPU machine has torch; DeepSpeed from .device/)
