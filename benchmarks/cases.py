@@ -277,10 +277,15 @@ CASES = (
          script=("benchmarks/sft_throughput.py", "--out", "/tmp/sftbench-out", "--workdir", "/tmp/sftbench",
                  "--hybridlm-flags=--torch-compile"),
          expected_s=340, timeout_s=580),
+    # hybridlm with the README's GRPO memory flags: bf16 AdamW moments and the MLP recomputed (one H200, ddc577a, 2 steps
+    # after 1: peak 16.9 GiB without them, 10.7 with both; TRL's 11.7), at the same completions/s
     Case("grpo-qwen2-0p5b", "post-training", "GRPO, Qwen2-0.5B shape, random weights, G 8, completions of 512 tokens, 64 per step "
-         "(mb 8), bf16, rollouts from hybridlm's own decoder; TRL GRPOTrainer (transformers generate, no vLLM) beside it", gpus=1,
+         "(mb 8), bf16, rollouts from hybridlm's own decoder, bf16 moments, MLP recomputed; TRL GRPOTrainer (transformers "
+         "generate, no vLLM) beside it", gpus=1,
          figures=("completions/s", "generation s/step", "rest s/step", "peak GiB", "hybridlm/TRL"), launcher="python",
-         script=("benchmarks/grpo_throughput.py", "--out", "/tmp/grpobench-out", "--workdir", "/tmp/grpobench"),
+         script=("benchmarks/grpo_throughput.py", "--out", "/tmp/grpobench-out", "--workdir", "/tmp/grpobench",
+                 "--hybridlm-flags=--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 "
+                 "--recompute-granularity selective --recompute-modules mlp"),
          expected_s=420, timeout_s=590),
     Case("generation-qwen2-0p5b", "post-training", "greedy decoding, Qwen2-0.5B shape, random bf16 weights, batch 1 and 64, 512 "
          "new tokens; transformers generate beside it, compiled (static cache) and as TRL calls it", gpus=1,
