@@ -135,16 +135,13 @@ def _cut(shard: str) -> int | None:
 def _whole_suite_passes(records: list[dict]) -> list[tuple[str, str, str, int]]:
     """(date, commit, device, N) of every commit at which shards 1..N of one cut each have a finished record on one
     device with no failure and no error, newest first: the times the whole GPU suite passed."""
-    passing: dict[tuple, set[str]] = {}
-    dates: dict[tuple, str] = {}
+    passing: dict[tuple, dict[str, str]] = {}  # (commit, device, N) -> {shard: the time its passing record began}
     for r in records:
         f, shard = r.get("figures", {}), r.get("shard", "")
         if _cut(shard) and f.get("finished") and not f.get("failed") and not f.get("error"):
-            key = (r.get("commit", ""), r.get("device", ""), _cut(shard))
-            passing.setdefault(key, set()).add(shard)
-            dates[key] = max(dates.get(key, ""), r.get("time", r.get("date", "")))
-    whole = [(dates[k][:10], *k) for k, shards in passing.items() if shards >= {f"{i}/{k[2]}" for i in range(1, k[2] + 1)}]
-    return sorted(whole, key=lambda w: dates[w[1:]], reverse=True)
+            passing.setdefault((r.get("commit", ""), r.get("device", ""), _cut(shard)), {})[shard] = r.get("time", r.get("date", ""))
+    whole = [(max(times.values()), *key) for key, times in passing.items() if len(times) == key[2]]
+    return [(time[:10], *key) for time, *key in sorted(whole, reverse=True)]
 
 
 def gpu_tests_markdown(records: list[dict]) -> list[str]:
