@@ -77,7 +77,7 @@ def sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     return cached
 
 
-@torch.compiler.disable  # nonzero's length is data: a graph break, where no packer gave the starts
+@torch._disable_dynamo  # nonzero's length is data: a graph break, where no packer gave the starts
 def _find_sample_starts(position_ids: torch.Tensor) -> torch.Tensor:
     flat = position_ids.reshape(-1)
     starts = torch.nonzero(flat == 0).flatten().to(torch.int32)
@@ -103,7 +103,9 @@ def _torch_varlen() -> tuple[Optional[Callable], dict]:
     return varlen_attn, ({"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {})
 
 
-_VARLEN_ATTN, _VARLEN_GQA_OPTIONS = _torch_varlen()  # what this torch provides, read once
+# What this torch provides, read once; a CUDA kernel only, so not looked for without CUDA (its module imports
+# torch._dynamo, ~1.5 s of a CPU process's start-up).
+_VARLEN_ATTN, _VARLEN_GQA_OPTIONS = _torch_varlen() if torch.cuda.is_available() else (None, {})
 
 
 def torch_varlen_available() -> bool:
@@ -203,7 +205,7 @@ def make_flash_attention() -> Callable:
     # Outside compiled graphs: flash-attn-4's CuTe kernels are not traceable by dynamo (the
     # layer's graph breaks around this call). Both versions take [b, s, h, d] views with any
     # aligned strides and copy only when they must, so no transpose is materialised here.
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def flash_attention(q, k, v, dropout_p: float = 0.0, position_ids=None):
         require_half_precision_cuda("flash-attn", q)
         if position_ids is not None:

@@ -41,7 +41,7 @@ class _TEModuleCall:
     module: nn.Module
     phase: MicroBatchPhase
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.module(x, is_first_microbatch=self.phase.first)
 

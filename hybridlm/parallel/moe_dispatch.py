@@ -75,7 +75,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, counts, grouped: bool) 
     return _expert_loop(x, weight, counts)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo
 def _expert_loop(x: torch.Tensor, weight: torch.Tensor, counts) -> torch.Tensor:
     """One matmul per expert, always eager. Under torch.compile the row counts (data, read on the host) would become
     the graph's shapes: dynamo recompiled this loop for each new split of the rows (about once per layer and step,

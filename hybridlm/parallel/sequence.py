@@ -91,13 +91,26 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 # Under ``--torch-compile`` dynamo would trace the in-place c10d calls of these Functions'
 # forward and backward into functional collectives; on NCCL the compiled backward then gave
 # wrong gradients (tests/test_gpu.py) that gloo, which completes every collective before
-# returning, never showed. ``torch.compiler.disable`` breaks the graph at each crossing, so
+# returning, never showed. Disabling dynamo on them breaks the graph at each crossing, so
 # each collective runs exactly as in eager mode and the code between them still compiles.
 # The public functions return early with one rank, so TP=1 graphs stay whole.
+# ``torch._disable_dynamo`` is ``torch.compiler.disable`` importing torch._dynamo at the first call
+# instead of here: ~1.5 s of CPU in every process that imports the model, a refused run's ranks too.
 
-_scatter_fn = torch.compiler.disable(_ScatterToSequence.apply)
-_gather_fn = torch.compiler.disable(_GatherFromSequence.apply)
-_reduce_scatter_fn = torch.compiler.disable(_ReduceScatterToSequence.apply)
+
+@torch._disable_dynamo
+def _scatter_fn(x, tp):
+    return _ScatterToSequence.apply(x, tp)
+
+
+@torch._disable_dynamo
+def _gather_fn(x, tp):
+    return _GatherFromSequence.apply(x, tp)
+
+
+@torch._disable_dynamo
+def _reduce_scatter_fn(x, tp):
+    return _ReduceScatterToSequence.apply(x, tp)
 
 
 def scatter_to_sequence(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:

@@ -94,8 +94,14 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
 
 
 # Outside compiled graphs, as the sequence-parallel crossings are (see ``.sequence``).
-_copy = torch.compiler.disable(_CopyToTensorParallel.apply)
-_reduce = torch.compiler.disable(_ReduceFromTensorParallel.apply)
+@torch._disable_dynamo
+def _copy(x, tp):
+    return _CopyToTensorParallel.apply(x, tp)
+
+
+@torch._disable_dynamo
+def _reduce(x, tp):
+    return _ReduceFromTensorParallel.apply(x, tp)
 
 
 def copy_to_tensor_parallel(x, tp: GroupHandle):
