@@ -24,17 +24,22 @@ import gpu_shards  # noqa: E402
 # A pytest-xdist worker of a laned GPU run (tests/gpu_suite.py) sees its own GPUs only: before torch is imported.
 gpu_shards.pin_lane()
 
-# Import the heavy libraries once in the parent: forked ranks inherit them (see harness.py).
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # on the GPU machine DeepSpeed must pick CUDA
-import deepspeed  # noqa: E402,F401
 
-import hybridlm.training.trainer  # noqa: E402,F401
-# deepspeed.initialize imports this module under ZeRO, and its module-level torch.compile imports torch._inductor
-# (~3 s of CPU): once here, not once in every forked rank of every test.
-import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+
+def _import_for_forked_ranks() -> None:
+    """Import the heavy libraries once in the process that runs tests: ranks forked from it inherit them (see
+    harness.py). Called where tests are collected, so not in pytest-xdist's controller, which runs none: there these
+    imports were ~5 s of one core before any worker started."""
+    import deepspeed  # noqa: F401
+
+    import hybridlm.training.trainer  # noqa: F401
+    # deepspeed.initialize imports this module under ZeRO, and its module-level torch.compile imports torch._inductor
+    # (~3 s of CPU): once here, not once in every forked rank of every test.
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
 
 def pytest_addoption(parser):
@@ -70,6 +75,7 @@ def pytest_collection_modifyitems(session, config, items):
     its own, by number of tests, which left a 95-second file of 3 tests to the end, where one worker ran it while the
     other had nothing left): longest first, so the run ends on short files on both workers. Every test runs as
     before; only the order of files changes, which pytest-xdist never fixed anyway. The GPU suite keeps its order."""
+    _import_for_forked_ranks()
     if gpu_shards.requested(config):
         return
     files: dict[str, list] = {}
@@ -104,7 +110,7 @@ def _no_process_group_left_in_the_test_process():
 def pytest_collection_finish(session):
     """Start the op builds that collected tests need in the background at the lowest CPU priority, as the tests load
     them: DeepSpeed's ops they name (``@pytest.mark.ops_build(deepspeed="AsyncIOBuilder")``; tests/deepspeed_ops.py:
-    async_io as one translation unit, ~1.5 minutes of CPU instead of ~5), then the project's fused CPU ops if a
+    async_io and pin_memory as one translation unit, ~40 s of CPU instead of ~5 minutes), then the project's fused CPU ops if a
     test is marked ``@pytest.mark.ops_build`` alone (~1 minute). Started here, a build uses the cycles the earlier
     tests leave idle, and the test that loads the op waits on the build's lock (and finds the build done) instead
     of compiling in its own time."""

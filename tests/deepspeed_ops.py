@@ -3,9 +3,12 @@ CPU time that DeepSpeed's own op builder takes, and loaded where DeepSpeed looks
 
 DeepSpeed's builder compiles each C++ file of an op on its own, and eleven of them parse torch/extension.h: about
 28 s of CPU each on CI's cores, five to six minutes for the two ops, the largest single cost of a cold CPU suite.
-Here the same sources, with the same builder's flags (less -g) and libraries, are compiled as one translation unit per op for
-the files that include torch's headers (the files that do not are compiled on their own, as DeepSpeed does: they
-share file-local names). The modules are then registered under DeepSpeed's op names, so ZeRO-Infinity's own
+Here the same sources, with async_io's builder's flags (less -g) and libraries, are compiled as one library with one
+translation unit for the files of both ops that include torch's headers (the files that do not are compiled on their
+own, as DeepSpeed does: they share file-local names). Parsing torch/extension.h was three quarters of each op's unit
+(22 s of pin_memory's 30 s of CPU), so it is parsed once. The library holds both Python modules, pin_memory's under its
+own name; async_io's client of the pin manager, which looks for pin_memory's library at run time, gives way to the
+manager itself. The modules are then registered under DeepSpeed's op names, so ZeRO-Infinity's own
 ``AsyncIOBuilder().load()`` returns them, in this process and in the ranks forked from it. Nothing of DeepSpeed's
 is changed on disk: its sources are copied, and each copied header is given the include guard (``#pragma once``)
 that a single translation unit needs (DeepSpeed's headers have none).
@@ -35,12 +38,15 @@ def _write_if_changed(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _one_unit_builder(base):
+def _one_unit_builder(base, merged=None, replaced: tuple[str, ...] = ()):
     """A subclass of DeepSpeed's builder ``base`` that builds ``base``'s sources as described above, under the name
-    ``<name>_unity`` (its own folder in TORCH_EXTENSIONS_DIR, never DeepSpeed's build of the op)."""
+    ``<name>_unity`` (its own folder in TORCH_EXTENSIONS_DIR, never DeepSpeed's build of the op). ``merged``: another
+    builder whose sources join the same library and unit, its Python module named ``<its name>_unity`` (``NAMES``),
+    less ``base``'s sources named in ``replaced`` (those that reach across to ``merged``'s library at run time)."""
 
     class OneUnit(base):
         NAME = base.NAME + "_unity"
+        NAMES = [NAME] + ([merged.NAME + "_unity"] if merged else [])
 
         def _copy_dir(self) -> str:
             import deepspeed
@@ -51,8 +57,10 @@ def _one_unit_builder(base):
             return [os.path.join(self._copy_dir(), path) for path in super().include_paths()]
 
         def sources(self):
+            own = [path for path in super().sources() if os.path.basename(path) not in replaced]
+            joined = merged().sources() if merged else []
             copy_dir = self._copy_dir()
-            src = [self.deepspeed_src_path(path) for path in super().sources()]
+            src = [self.deepspeed_src_path(path) for path in own + joined]
             dirs = sorted({os.path.dirname(path) for path in src} | {self.deepspeed_src_path(p) for p in super().include_paths()})
             root = os.path.dirname(self.deepspeed_src_path("csrc"))  # the copies keep DeepSpeed's layout below it
             for folder in dirs:  # every file of the op's folders, headers guarded
@@ -64,8 +72,12 @@ def _one_unit_builder(base):
                         _write_if_changed(os.path.join(copy_dir, os.path.relpath(folder, root), name), guard + text)
             copies = [os.path.join(copy_dir, os.path.relpath(path, root)) for path in src]
             with_torch = [path for path in copies if self._includes_torch(path, set())]
+            lines = [f'#include "{path}"\n' for path in with_torch if path in copies[:len(own)]]
+            if merged:  # merged's module under its own name (the build defines TORCH_EXTENSION_NAME as base's)
+                lines += ["#undef TORCH_EXTENSION_NAME\n", f"#define TORCH_EXTENSION_NAME {self.NAMES[1]}\n"]
+                lines += [f'#include "{path}"\n' for path in with_torch if path in copies[len(own):]]
             unity = os.path.join(copy_dir, f"{self.NAME}.cpp")
-            _write_if_changed(unity, "".join(f'#include "{path}"\n' for path in with_torch))
+            _write_if_changed(unity, "".join(lines))
             return [unity] + [path for path in copies if path not in with_torch]
 
         def _includes_torch(self, path: str, seen: set) -> bool:
@@ -97,17 +109,19 @@ def _one_unit_builder(base):
 
 
 def load_nvme_ops(verbose: bool = False):
-    """Build (once: cached in TORCH_EXTENSIONS_DIR) and load async_io and pin_memory as one unit each; register them
+    """Build (once: cached in TORCH_EXTENSIONS_DIR) and load async_io and pin_memory from one library; register them
     as DeepSpeed's ``async_io`` and ``pin_memory`` ops in this process. Returns the async_io module."""
-    import ctypes
+    import importlib.util
 
     from deepspeed.ops import op_builder
     from deepspeed.ops.op_builder.builder import OpBuilder
-    pin = _one_unit_builder(op_builder.PinMemoryBuilder)().load(verbose)
-    # as DeepSpeed's pin_memory loader does: async_io resolves the pin manager's symbols from this library
-    ctypes.CDLL(pin.__file__, mode=ctypes.RTLD_GLOBAL)
+    builder = _one_unit_builder(op_builder.AsyncIOBuilder, merged=op_builder.PinMemoryBuilder,
+                                replaced=("deepspeed_pin_tensor_client.cpp",))()
+    aio = builder.load(verbose)
+    spec = importlib.util.spec_from_file_location(builder.NAMES[1], aio.__file__)  # the same library's other module
+    pin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pin)
     OpBuilder._loaded_ops[op_builder.PinMemoryBuilder.NAME] = pin
-    aio = _one_unit_builder(op_builder.AsyncIOBuilder)().load(verbose)
     OpBuilder._loaded_ops[op_builder.AsyncIOBuilder.NAME] = aio
     return aio
 
