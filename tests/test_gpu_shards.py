@@ -263,6 +263,9 @@ def test_the_suite_skips_passes_with_no_tests_and_finishes_the_record_only_when_
         if gpu_pass == "lanes1":
             with open(env[PLAN_ENV], "w") as f:
                 json.dump({"lanes1": 5, "lanes2": 2, "whole": 0}, f)
+        # the pass's environment, as a real pass runs in it: its call names the one record (without it, each pass
+        # named its own from the clock's second, and two passes a second apart wrote two records)
+        monkeypatch.setenv(CALL_ENV, env[CALL_ENV])
         plugin = ShardPlugin((1, 4), str(tmp_path), ["--shard=1/4"], gpu_pass)
         plugin.pytest_runtest_logreport(_report(f"t::{gpu_pass}", "call", "passed"))
         plugin.pytest_sessionfinish(None, 0)
