@@ -88,29 +88,23 @@ class _ReduceScatterToSequence(torch.autograd.Function):
         return all_gather_dim0(grad, ctx.tp), None
 
 
-# Under ``--torch-compile`` dynamo would trace the in-place c10d calls of these Functions'
-# forward and backward into functional collectives; on NCCL the compiled backward then gave
-# wrong gradients (tests/test_gpu.py) that gloo, which completes every collective before
-# returning, never showed. Disabling dynamo on them breaks the graph at each crossing, so
-# each collective runs exactly as in eager mode and the code between them still compiles.
-# The public functions return early with one rank, so TP=1 graphs stay whole.
-# ``torch._disable_dynamo`` is ``torch.compiler.disable`` importing torch._dynamo at the first call
-# instead of here: ~1.5 s of CPU in every process that imports the model, a refused run's ranks too.
+def eager_crossing(function: type[torch.autograd.Function]):
+    """``function.apply(x, tp)``, always run outside compiled graphs. Under ``--torch-compile`` dynamo would trace
+    the in-place c10d calls of these Functions' forward and backward into functional collectives; on NCCL the
+    compiled backward then gave wrong gradients (tests/test_gpu.py) that gloo, which completes every collective before
+    returning, never showed. Disabling dynamo on them breaks the graph at each crossing, so each collective runs exactly
+    as in eager mode and the code between them still compiles. ``torch._disable_dynamo`` is ``torch.compiler.disable``
+    importing torch._dynamo at the first call instead of at import: ~1.5 s of CPU in every process that imports the
+    model, a refused run's ranks too. The public functions return early with one rank, so TP=1 graphs stay whole."""
+    @torch._disable_dynamo
+    def apply(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:
+        return function.apply(x, tp)
+    return apply
 
 
-@torch._disable_dynamo
-def _scatter_fn(x, tp):
-    return _ScatterToSequence.apply(x, tp)
-
-
-@torch._disable_dynamo
-def _gather_fn(x, tp):
-    return _GatherFromSequence.apply(x, tp)
-
-
-@torch._disable_dynamo
-def _reduce_scatter_fn(x, tp):
-    return _ReduceScatterToSequence.apply(x, tp)
+_scatter_fn = eager_crossing(_ScatterToSequence)
+_gather_fn = eager_crossing(_GatherFromSequence)
+_reduce_scatter_fn = eager_crossing(_ReduceScatterToSequence)
 
 
 def scatter_to_sequence(x: torch.Tensor, tp: GroupHandle) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .sequence import gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
+from .sequence import eager_crossing, gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
 from .state import GroupHandle
 
 IGNORE_INDEX = -100  # a label that takes no part in the loss (PyTorch's and Hugging Face's convention)
@@ -93,15 +93,8 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
         return grad, None
 
 
-# Outside compiled graphs, as the sequence-parallel crossings are (see ``.sequence``).
-@torch._disable_dynamo
-def _copy(x, tp):
-    return _CopyToTensorParallel.apply(x, tp)
-
-
-@torch._disable_dynamo
-def _reduce(x, tp):
-    return _ReduceFromTensorParallel.apply(x, tp)
+_copy = eager_crossing(_CopyToTensorParallel)
+_reduce = eager_crossing(_ReduceFromTensorParallel)
 
 
 def copy_to_tensor_parallel(x, tp: GroupHandle):
