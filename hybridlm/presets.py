@@ -88,6 +88,10 @@ class SuggestedLayout:
     global_batch_size: Optional[int] = None
     bf16: bool = True
     gpu_memory_gib: float = 80.0  # the GPU the layout was planned for (an H100 80GB node of 8)
+    # Compiled layers: under PP the stage bodies otherwise run eager (on 2 x H200, the reference at PP=2 went from
+    # 51,223 to 78,816 tok/s/GPU, benchmarks ref-pp2 and ref-pp2-compiled); off where --torch-compile is refused
+    # (CP, EP) and on CPU ranks, where Inductor's C++ build of each kernel costs more than a short run gains.
+    torch_compile: bool = True
 
     @property
     def world_size(self) -> int:
@@ -113,6 +117,8 @@ class SuggestedLayout:
             out += ["--global-batch-size", str(self.global_batch_size)]
         if self.bf16:
             out.append("--bf16")
+        if self.torch_compile:
+            out.append("--torch-compile")
         return out
 
 
@@ -123,7 +129,8 @@ class SuggestedLayout:
 # counts: Llama 2 trained with 4M tokens per step (1024 x 4096).
 LAYOUTS: dict[str, SuggestedLayout] = {
     # tiny-cpu.sbatch: 2 CPU ranks of one node, data parallel, fp32 (DeepSpeed's CPU accelerator).
-    "tiny": SuggestedLayout(nodes=1, gpus_per_node=2, zero=1, micro_batch_size=8, bf16=False, gpu_memory_gib=1.0),
+    "tiny": SuggestedLayout(nodes=1, gpus_per_node=2, zero=1, micro_batch_size=8, bf16=False, gpu_memory_gib=1.0,
+                            torch_compile=False),
     "reference": SuggestedLayout(nodes=1, gpus_per_node=8, zero=2, micro_batch_size=4, global_batch_size=256),
     "llama2-7b": SuggestedLayout(nodes=2, gpus_per_node=8, zero=2, global_batch_size=1024),
     "llama2-13b": SuggestedLayout(nodes=4, gpus_per_node=8, pp=8, zero=1, global_batch_size=1024),
@@ -132,13 +139,15 @@ LAYOUTS: dict[str, SuggestedLayout] = {
     "llama3-8b": SuggestedLayout(nodes=2, gpus_per_node=8, tp=2, zero=2, sequence_parallel=True, global_batch_size=512),
     # 128K tokens: each of 8 GPUs holds 16K of every sample (ring attention); full recompute
     # (planned 69.7 of 80 GiB, the 128k-vocabulary logits of 16K tokens taking 27.9); 4M tokens per step
-    "llama3-8b-128k": SuggestedLayout(nodes=1, gpus_per_node=8, cp=8, zero=2, recompute="full", global_batch_size=32),
+    "llama3-8b-128k": SuggestedLayout(nodes=1, gpus_per_node=8, cp=8, zero=2, recompute="full", global_batch_size=32,
+                                      torch_compile=False),
     # The MoE guides' layout (Megatron-core's Mixtral recipe): TP1 PP4 EP8, each node one EP group (the
     # all-to-all stays on NVLink), full recompute. Without recompute `scripts/plan.py` puts it at 71.5 of
     # 80 GiB for perfectly balanced routing, but expert activations grow with the busiest expert's load;
     # with it, 25.9 GiB (the guides measured about 28). SP is moot at TP1; FP8 cannot be combined with
     # recompute yet (and the experts' grouped GEMMs run in bf16 either way).
-    "mixtral-8x7b": SuggestedLayout(nodes=8, gpus_per_node=8, pp=4, ep=8, zero=1, recompute="full", global_batch_size=1024),
+    "mixtral-8x7b": SuggestedLayout(nodes=8, gpus_per_node=8, pp=4, ep=8, zero=1, recompute="full", global_batch_size=1024,
+                                    torch_compile=False),
 }
 
 
@@ -169,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             lay = LAYOUTS.get(name)
             where = (f"{lay.nodes} x {lay.gpus_per_node} ({lay.gpu_memory_gib:g} GiB): TP={lay.tp} PP={lay.pp} DP={lay.dp} "
                      f"{f'CP={lay.cp} ' if lay.cp > 1 else ''}EP={lay.ep} ZeRO-{lay.zero}{' SP' if lay.sequence_parallel else ''}"
-                     f"{' recompute ' + lay.recompute if lay.recompute else ''}") if lay else "no suggested layout"
+                     f"{' recompute ' + lay.recompute if lay.recompute else ''}{' compiled' if lay.torch_compile else ''}") if lay else "no suggested layout"
             print(f"{name:14s} {where}")
         return 0
     try:

@@ -147,6 +147,7 @@ def test_templates_render_into_a_pretrain_command_that_validates_for_their_alloc
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.zero_stage) == (lay.tp, lay.pp, lay.zero)
     assert p.context_parallel_size == lay.cp
     assert cfg.train.bf16 == lay.bf16 and cfg.model.model == preset
+    assert cfg.model.torch_compile == lay.torch_compile
 
 
 def test_a_layout_override_in_the_template_block_replaces_the_preset_layout(tmp_path, monkeypatch):
