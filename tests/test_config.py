@@ -128,3 +128,10 @@ def test_recompute_modules_hybridlm_does_not_rebuild_are_refused_by_name(name, s
     with pytest.raises(ConfigError) as refused:
         parse_args(["--recompute-granularity", "selective", "--recompute-modules", name]).validate(1)
     assert str(refused.value).startswith(sentence)
+
+
+def test_a_compile_backend_is_taken_with_torch_compile_and_refused_without_it():
+    assert parse_args(["--torch-compile", "--torch-compile-backend", "aot_eager"]).validate(1).model.torch_compile_backend == "aot_eager"
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--torch-compile-backend", "aot_eager"]).validate(1)
+    assert str(refused.value) == "--torch-compile-backend aot_eager needs --torch-compile: without it nothing is compiled."

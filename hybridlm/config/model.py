@@ -56,6 +56,7 @@ class ModelConfig:
     fused_ops: str = flag("auto", "Fused kernels built through DeepSpeed's op builder: auto (each where it beats torch.compile on this device), all, none, or a comma list of rmsnorm,rope,swiglu.")
     require_fused_ops: bool = flag(False, "Stop when a requested fused kernel cannot be built, instead of falling back to PyTorch.")
     torch_compile: bool = flag(False, "torch.compile each transformer layer, and the cross-entropy with TP=1 (fuses norms, RoPE, SwiGLU and residuals; the first steps pay the compile).")
+    torch_compile_backend: str = flag("inductor", "The torch.compile backend of --torch-compile: inductor (fused kernels), or aot_eager / eager, which trace the same graphs without generating code: they tell a capture problem from one of Inductor's kernels, and check a layout's graphs without Inductor's build of each kernel (torchtitan's compile.backend).", choices=("inductor", "aot_eager", "eager"))
     cuda_graphs: bool = flag(False, "Capture each transformer layer's forward and backward as CUDA graphs (Transformer Engine's make_graphed_callables) and replay them in training, for runs whose GPU waits on Python; TP=1, no PP, MoE, recompute, dropout or ZeRO-3 yet.",
                            aliases=("--external-cuda-graph",))
     gradient_accumulation_fusion: bool = flag(False, "Let Transformer Engine's weight-gradient GEMMs add each micro-batch's product into the accumulated gradients (Megatron's flag) instead of a separate addition per parameter; needs --transformer-impl transformer_engine, ZeRO 0 or 1 and no PP.")

@@ -113,6 +113,8 @@ class RunConfig:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive.")
         if m.fp8_format and m.transformer_impl != "transformer_engine":
             raise ConfigError(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine: FP8 matmuls come from Transformer Engine.")
+        if m.torch_compile_backend != "inductor" and not m.torch_compile:
+            raise ConfigError(f"--torch-compile-backend {m.torch_compile_backend} needs --torch-compile: without it nothing is compiled.")
         if m.torch_compile and ep > 1:
             raise ConfigError(f"--torch-compile cannot be combined with --expert-model-parallel-size {ep} yet: the expert "
                               "all-to-all has not been checked inside compiled layers on NCCL; compile works with EP=1 under TP, DP, PP and ZeRO.")

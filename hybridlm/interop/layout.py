@@ -28,7 +28,7 @@ from ..config import ConfigError, ModelConfig, RunConfig, effective_yaml, load_y
 INFO_FILE = "hybridlm_checkpoint.json"
 # Model settings that choose kernels, not parameters.
 PORTABLE_KERNELS = {"attention_backend": "sdpa", "transformer_impl": "local", "fp8_format": None, "fused_ops": "none",
-                    "require_fused_ops": False, "torch_compile": False}
+                    "require_fused_ops": False, "torch_compile": False, "torch_compile_backend": "inductor"}
 CONFIG_FILE = "config.yaml"
 FORMAT_VERSION = 1
 

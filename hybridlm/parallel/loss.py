@@ -103,11 +103,11 @@ class LossReducer:
             return self.compiled_loss(logits if vocab_size is None else logits[..., :vocab_size], target)
         return vocab_parallel_cross_entropy(logits, target, self.tp, vocab_size)
 
-    def compile(self) -> None:
+    def compile(self, backend: str = "inductor") -> None:
         """With TP=1, compute the loss with a compiled cross-entropy: the fp32 upcast, softmax
         and its gradient fuse into a pass or two over the logits instead of materialising
         fp32 copies of a [tokens, vocab] tensor."""
-        self.compiled_loss = torch.compile(_local_cross_entropy)
+        self.compiled_loss = torch.compile(_local_cross_entropy, backend=backend)
 
     def sequence_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A sum over whole rows from this rank's slice of them: under CP summed over the CP ranks,

@@ -50,7 +50,8 @@ def _files_key(paths, root: str = "") -> list:
 def reference_key(cfg, tag_dir: str, prefix: str) -> str:
     tag_files = [os.path.join(d, f) for d, _, files in os.walk(tag_dir) for f in files]
     data_files = [prefix + ".idx", prefix + ".bin", mask_prefix(prefix) + ".idx", mask_prefix(prefix) + ".bin"]
-    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("attention_backend", "fused_ops", "torch_compile")}
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in ("attention_backend", "fused_ops", "torch_compile",
+                                                                                   "torch_compile_backend")}
     description = {"checkpoint": os.path.abspath(tag_dir), "files": _files_key(tag_files, tag_dir), "data": _files_key(data_files),
                    "seq_length": cfg.model.seq_length, "model": model, "bf16": cfg.train.bf16, "fp16": cfg.train.fp16}
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=str).encode()).hexdigest()[:20]

@@ -226,8 +226,8 @@ def apply_execution_policy(cfg: RunConfig, model, reducer: LossReducer) -> None:
     if p.recompute_granularity == "selective":
         apply_selective_recompute(model, p.recompute_modules)
     if cfg.model.torch_compile:
-        compile_layers(model)
-        reducer.compile()
+        compile_layers(model, cfg.model.torch_compile_backend)
+        reducer.compile(cfg.model.torch_compile_backend)
 
 
 def start_engine(cfg: RunConfig, ds_config: dict, model, ps: ParallelState):
