@@ -212,6 +212,10 @@ CASES = (
     Case("ref-pp2-compiled", "scaling", "PP=2, gbs 32 (8 micro-batches), ZeRO-1, bf16, --torch-compile", gpus=2,
          flags=BF16 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "32", "--torch-compile"),
          peers=("megatron-lm",)),
+    Case("ref-pp2-compiled-first9", "scaling", "PP=2, 9 of 16 layers on the first stage, gbs 32 (8 micro-batches), ZeRO-1, "
+         "bf16, --torch-compile", gpus=2, flags=BF16 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "32",
+                                                        "--torch-compile", "--decoder-first-pipeline-num-layers", "9"),
+         peers=("megatron-lm",)),
     Case("ref-dp4", "scaling", "DP=4 ZeRO-1, bf16, gbs 128, --torch-compile", gpus=4,
          flags=BF16 + ("--global-batch-size", "128", "--torch-compile"), peers=("megatron-lm",), readme=True),
     Case("ref-dp4-fp32-grads", "scaling", "DP=4 ZeRO-1, bf16, gbs 128, --torch-compile, gradients accumulated and reduced in "

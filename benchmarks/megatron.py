@@ -113,6 +113,9 @@ def megatron_args(run, *, iters: int) -> list[str]:
     args += ["--bf16"] if t.bf16 else (["--fp16"] if t.fp16 else [])
     args += ["--lr-warmup-fraction", str(t.lr_warmup_fraction)] if t.lr_warmup_fraction is not None else []  # the tiny preset's
     args += ["--sequence-parallel"] if p.sequence_parallel else []
+    for flag, layers in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                         ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)):
+        args += [flag, str(layers)] if layers is not None else []  # the same split of the layers over the stages
     if p.context_parallel_size > 1:  # Megatron's own CP: Transformer Engine's attention with the same comm type
         args += _flags([("--context-parallel-size", p.context_parallel_size), ("--cp-comm-type", p.cp_comm_type)])
     if p.data_parallel_size > 1:

@@ -135,3 +135,31 @@ def test_a_compile_backend_is_taken_with_torch_compile_and_refused_without_it():
     with pytest.raises(ConfigError) as refused:
         parse_args(["--torch-compile-backend", "aot_eager"]).validate(1)
     assert str(refused.value) == "--torch-compile-backend aot_eager needs --torch-compile: without it nothing is compiled."
+
+
+@pytest.mark.parametrize("flags, counts", [
+    ([], [4, 4, 4, 4]),
+    (["--decoder-first-pipeline-num-layers", "7"], [7, 3, 3, 3]),
+    (["--decoder-last-pipeline-num-layers", "1"], [5, 5, 5, 1]),
+    (["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "6"], [2, 4, 4, 6]),
+])
+def test_the_first_and_last_pipeline_stages_take_the_layers_asked_and_the_others_share_the_rest(flags, counts):
+    from hybridlm.config import pipeline_stage_layers
+    p = parse_args(["--num-layers", "16", "--pipeline-model-parallel-size", "4", *flags]).validate(4).parallel
+    assert pipeline_stage_layers(16, 4, p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers) == counts
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--decoder-first-pipeline-num-layers", "2"],
+     "--decoder-first-pipeline-num-layers 2 needs --pipeline-model-parallel-size > 1: one stage holds every layer."),
+    (["--pipeline-model-parallel-size", "4", "--decoder-first-pipeline-num-layers", "6"],
+     "--decoder-first-pipeline-num-layers 6 leave 10 of --num-layers 16 for the other 3 pipeline stage(s), which must share "
+     "them evenly with at least one layer each."),
+    (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "9", "--decoder-last-pipeline-num-layers", "8"],
+     "--decoder-first-pipeline-num-layers 9 and --decoder-last-pipeline-num-layers 8 must add up to --num-layers 16 with two "
+     "pipeline stages."),
+])
+def test_an_uneven_pipeline_split_that_cannot_hold_is_refused_in_one_sentence(flags, sentence):
+    with pytest.raises(ConfigError) as refused:
+        parse_args(["--num-layers", "16", *flags]).validate(4)
+    assert str(refused.value) == sentence

@@ -112,6 +112,29 @@ def test_selective_recompute_changes_no_bit_of_the_single_process_run(modules):
         assert torch.equal(split["grads"][name], grad), name
 
 
+@pytest.mark.parametrize("split", [["--decoder-first-pipeline-num-layers", "3"], ["--decoder-last-pipeline-num-layers", "3"]],
+                         ids=["first_stage_3_layers", "last_stage_3_layers"])
+def test_an_uneven_pipeline_split_matches_single_process(split):
+    # Megatron-LM's flags: 3 of TINY's 4 layers on one stage of two, 1 on the other (embedding with the first, head and loss
+    # with the last); the layer a stage holds changes nothing of what it computes.
+    flags = TINY + PP2 + split + ds_config("zero0")
+    held = run_ranks(2, _stage_contents, flags)
+    assert held == ([(["Embedding"], 3), ([], 1)] if "--decoder-first-pipeline-num-layers" in split
+                    else [(["Embedding"], 1), ([], 3)]), held
+    assert_matches(reference(), parallel(2, PP2 + split, "zero0"))
+
+
+def _stage_contents(flags: list[str]) -> tuple[list[str], int]:
+    """(this stage's non-layer modules before its layers, its transformer layers)."""
+    from hybridlm.config import parse_args
+    from hybridlm.model.specs import transformer_layers
+    from hybridlm.training.trainer import build_run, prepare_config
+    run = build_run(*prepare_config(parse_args(flags)))
+    module = run.engine.module
+    first, _ = module.layer_steps.span
+    return [type(f).__name__ for f in module.forward_funcs[:first]], len(transformer_layers(module))
+
+
 def test_recompute_under_pipeline_matches_single_process():
     assert_matches(reference(), parallel(2, PP2 + ["--recompute-granularity", "full"], "zero1"))
 

@@ -236,3 +236,10 @@ def test_context_parallelism_divides_activations_and_is_proposed_for_long_sequen
     run.parallel.zero_stage = int(run.train.deepspeed_config.split("zero")[1][0])
     run.validate(8)
     assert run.parallel.context_parallel_size == 8
+
+
+def test_an_uneven_pipeline_split_is_planned_with_the_layers_each_stage_holds():
+    from hybridlm.planner.memory import Layout, stage_layers
+    assert stage_layers(16, Layout(pp=2)) == [range(0, 8), range(8, 16)]
+    assert stage_layers(16, Layout(pp=2, first_stage_layers=9)) == [range(0, 9), range(9, 16)]
+    assert stage_layers(16, Layout(pp=4, last_stage_layers=1)) == [range(0, 5), range(5, 10), range(10, 15), range(15, 16)]

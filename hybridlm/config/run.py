@@ -113,6 +113,7 @@ class RunConfig:
             raise ConfigError("--bf16 and --fp16 are mutually exclusive.")
         if m.fp8_format and m.transformer_impl != "transformer_engine":
             raise ConfigError(f"--fp8-format {m.fp8_format} needs --transformer-impl transformer_engine: FP8 matmuls come from Transformer Engine.")
+        self._check_uneven_pipeline(pp)
         if m.torch_compile_backend != "inductor" and not m.torch_compile:
             raise ConfigError(f"--torch-compile-backend {m.torch_compile_backend} needs --torch-compile: without it nothing is compiled.")
         if m.torch_compile and ep > 1:
@@ -455,6 +456,24 @@ class RunConfig:
              "gradients and an illegal memory access on H200s (TE's linears with compiled pieces between them are fine); "
              "add --transformer-impl transformer_engine, or drop one of the two flags"),
         ))
+
+    def _check_uneven_pipeline(self, pp: int) -> None:
+        """Megatron-LM's --decoder-first/last-pipeline-num-layers: every stage keeps at least one layer and
+        the stages between the given ones share the rest evenly."""
+        p, n = self.parallel, self.model.num_layers
+        given = [(flag, v) for flag, v in (("--decoder-first-pipeline-num-layers", p.decoder_first_pipeline_num_layers),
+                                           ("--decoder-last-pipeline-num-layers", p.decoder_last_pipeline_num_layers)) if v is not None]
+        if not given:
+            return
+        named = " and ".join(f"{flag} {v}" for flag, v in given)
+        if pp == 1:
+            raise ConfigError(f"{named} needs --pipeline-model-parallel-size > 1: one stage holds every layer.")
+        if len(given) == 2 and pp == 2 and sum(v for _, v in given) != n:
+            raise ConfigError(f"{named} must add up to --num-layers {n} with two pipeline stages.")
+        rest, middle = n - sum(v for _, v in given), pp - len(given)
+        if any(v < 1 for _, v in given) or rest < middle or (middle and rest % middle):
+            raise ConfigError(f"{named} leave {rest} of --num-layers {n} for the other {middle} pipeline stage(s), which must "
+                              "share them evenly with at least one layer each.")
 
     def _check_gradient_accumulation_fusion(self, pp: int) -> None:
         m, p = self.model, self.parallel

@@ -12,6 +12,8 @@ class ParallelConfig:
 
     tensor_model_parallel_size: int = flag(1, "TP: ranks that split each weight matrix.")
     pipeline_model_parallel_size: int = flag(1, "PP: pipeline stages (DeepSpeed's 1F1B engine when > 1).")
+    decoder_first_pipeline_num_layers: Optional[int] = flag(None, "Transformer layers on the first pipeline stage; the others share the rest evenly (Megatron-LM's flag; default: an even split). The last stage also runs the output layer and the loss, so fewer layers there balance it.")
+    decoder_last_pipeline_num_layers: Optional[int] = flag(None, "Transformer layers on the last pipeline stage; the others share the rest evenly (Megatron-LM's flag; default: an even split).")
     expert_model_parallel_size: int = flag(1, "EP: ranks that split the experts (carved out of DP x CP).")
     context_parallel_size: int = flag(1, "CP: ranks that split each sample's sequence (long context); to DeepSpeed they are data-parallel replicas.")
     cp_comm_type: str = flag("p2p", "How CP ranks attend over the whole sequence: p2p (ring attention, K/V passed around), a2a (all-to-all to heads, Ulysses), allgather (K/V gathered).",
@@ -28,6 +30,24 @@ class ParallelConfig:
     zero_stage: int = flag(0, "Derived from the DeepSpeed JSON.", cli=False)
     data_parallel_size: int = flag(1, "Derived: world / (TP x PP x CP).", cli=False)
 
+
+def pipeline_stage_layers(num_layers: int, pp: int, first: Optional[int] = None, last: Optional[int] = None) -> list[int]:
+    """Transformer layers on each pipeline stage. By default as even as possible, the remainder going to
+    the last stages (how DeepSpeed's ``partition_method='type:...'`` splits them); with ``first`` or
+    ``last`` (Megatron-LM's --decoder-first/last-pipeline-num-layers) those stages hold that many and
+    the stages between share the rest evenly (validation checks that they can)."""
+    ends = [n for n in (first, last) if n is not None]
+    middle = pp - len(ends)
+    if not ends:
+        base, extra = divmod(num_layers, pp)
+        return [base + (1 if s >= pp - extra else 0) for s in range(pp)]
+    each = (num_layers - sum(ends)) // middle if middle else 0
+    counts = [each] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
 
 @dataclass
 class TrainConfig:

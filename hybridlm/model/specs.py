@@ -123,9 +123,20 @@ class PipelineModel(PipelineModule):
     its own layers), running its transformer layers through ``LayerSteps`` as ``SequentialModel``
     does. ``forward_funcs`` stays DeepSpeed's list of built layers (its checkpoints read it)."""
 
-    def __init__(self, *args, layer_context: Optional[Callable] = None, **kwargs):
+    def __init__(self, *args, layer_context: Optional[Callable] = None, stage_layers: Optional[list[int]] = None, **kwargs):
+        self.stage_layers = stage_layers  # read by _partition_layers, which DeepSpeed's constructor calls
         super().__init__(*args, **kwargs)
         self.layer_steps = LayerSteps(self.forward_funcs, layer_context)
+
+    def _partition_layers(self, method="uniform"):
+        """DeepSpeed's split unless ``stage_layers`` gives each stage's transformer layers (Megatron-LM's
+        --decoder-first/last-pipeline-num-layers): the embedding goes with the first stage's layers, the
+        final norm, the output layer and the loss with the last's, as in the even split."""
+        if self.stage_layers is None:
+            return super()._partition_layers(method)
+        self.parts = [0] + [1 + sum(self.stage_layers[:s]) for s in range(1, self.num_stages)] + [len(self._layer_specs)]
+        stage = self._topo.get_coord(self.global_rank).pipe
+        self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
     def forward(self, inputs):
         first, end = self.layer_steps.span
@@ -138,11 +149,12 @@ class PipelineModel(PipelineModule):
 
 
 def build_model(cfg: ModelConfig, factory: LayerFactory, *, topology=None, loss=None,
-                layer_context: Optional[Callable] = None) -> nn.Module:
+                layer_context: Optional[Callable] = None, stage_layers: Optional[list[int]] = None) -> nn.Module:
     """A PipelineModel when ``topology`` has more than one stage, else a SequentialModel.
     ``loss(logits, labels)`` ends the model (default: next-token prediction, ``LMLoss``);
     ``layer_context``: what the transformer layers run under (FP8 autocast), the first of the
-    execution wrappers (``hybridlm.model.execution``)."""
+    execution wrappers (``hybridlm.model.execution``); ``stage_layers``: transformer layers per pipeline stage
+    (default: DeepSpeed's even split)."""
     specs = layer_specs(cfg, factory)
     loss = loss or LMLoss(LossReducer(factory.tp, factory.groups.cp, factory.sequence_parallel), cfg.vocab_size)
     if topology is not None and topology.get_dim("pipe") > 1:
@@ -152,7 +164,8 @@ def build_model(cfg: ModelConfig, factory: LayerFactory, *, topology=None, loss=
         # backward that it "may lead to silently incorrect behavior"
         with torch.no_grad():
             model = PipelineModel(layers=specs, loss_fn=loss, topology=topology, layer_context=layer_context,
-                                  partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0)
+                                  partition_method=f"type:{TransformerLayer.__name__}", activation_checkpoint_interval=0,
+                                  stage_layers=stage_layers)
     else:
         model = SequentialModel(specs, loss, context=layer_context)
     if cfg.lora_rank:  # adapters on this stage's target linears, the rest frozen (hybridlm.parallel.lora)

@@ -68,7 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ..config import ModelConfig
+from ..config import ModelConfig, pipeline_stage_layers
 
 GIB = 2**30
 
@@ -95,6 +95,8 @@ class Layout:
     reduce_bucket: float = 5e8  # DeepSpeed's reduce_bucket_size (elements)
     overlap_comm: Optional[bool] = None  # default: DeepSpeed's shipped JSONs (off for ZeRO-1, on for 2 and 3)
     prefetch_bucket: float = 5e7  # ZeRO-3 stage3_prefetch_bucket_size (elements)
+    first_stage_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers (default: an even split)
+    last_stage_layers: Optional[int] = None  # --decoder-last-pipeline-num-layers
 
     @property
     def world(self) -> int:
@@ -172,14 +174,12 @@ def layer_parameters(cfg: ModelConfig, layer: int, tp: int, ep: int) -> tuple[in
     return dense, 0
 
 
-def stage_layers(num_layers: int, pp: int) -> list[range]:
-    """Transformer layers per pipeline stage as DeepSpeed's ``partition_method='type:...'`` splits them:
-    as even as possible, the remainder going to the last stages (``ds_utils.partition_balanced``
-    on equal weights gives the same counts as ``partition_uniform``)."""
-    base, extra = divmod(num_layers, pp)
-    counts = [base + (1 if s >= pp - extra else 0) for s in range(pp)]
-    starts = [sum(counts[:s]) for s in range(pp)]
-    return [range(starts[s], starts[s] + counts[s]) for s in range(pp)]
+def stage_layers(num_layers: int, lay: Layout) -> list[range]:
+    """Transformer layers per pipeline stage, as the model splits them (``pipeline_stage_layers``: DeepSpeed's
+    even split, or the layout's first and last stage counts)."""
+    counts = pipeline_stage_layers(num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    starts = [sum(counts[:s]) for s in range(lay.pp)]
+    return [range(starts[s], starts[s] + counts[s]) for s in range(lay.pp)]
 
 
 def stage_parameters(cfg: ModelConfig, lay: Layout, stage: int) -> tuple[int, int]:
@@ -187,7 +187,7 @@ def stage_parameters(cfg: ModelConfig, lay: Layout, stage: int) -> tuple[int, in
     vocab = cfg.pad_vocab(lay.tp)
     embedding = vocab // lay.tp * cfg.hidden_size
     dense = expert = 0
-    for layer in stage_layers(cfg.num_layers, lay.pp)[stage]:
+    for layer in stage_layers(cfg.num_layers, lay)[stage]:
         d, e = layer_parameters(cfg, layer, lay.tp, lay.ep)
         dense, expert = dense + d, expert + e
     first, last = stage == 0, stage == lay.pp - 1
@@ -303,7 +303,7 @@ def stage_activation_parts(cfg: ModelConfig, lay: Layout, stage: int, *, backend
     t = lay.tp
     sp = lay.sequence_parallel and t > 1
     tokens = local_tokens(cfg, lay)
-    layers = list(stage_layers(cfg.num_layers, lay.pp)[stage])
+    layers = list(stage_layers(cfg.num_layers, lay)[stage])
     per_layer = [layer_activation_bytes_per_token(cfg, lay, backend, fused, n) * tokens for n in layers]
     ring = ring_buffer_bytes_per_token(cfg, lay) * tokens
     if recompute == "full":
@@ -432,7 +432,7 @@ def estimate(cfg: ModelConfig, lay: Layout, *, backend: str = "sdpa", fused: boo
             for name in ("params", "optimizer", "grads_kept", "grads_end", "step_extra"):
                 setattr(s, name, getattr(s, name) + getattr(x, name))
         kept, transient = stage_activation_parts(cfg, lay, stage, backend=backend, fused=fused, recompute=lay.recompute)
-        layer_count = len(stage_layers(cfg.num_layers, lay.pp)[stage])
+        layer_count = len(stage_layers(cfg.num_layers, lay)[stage])
         acts = kept + transient
         plain = stage_activation_bytes(cfg, lay, stage, backend=backend, fused=fused, recompute=None)
         last = stage == lay.pp - 1
@@ -503,4 +503,5 @@ def layout_from_run(cfg, ds: dict) -> Layout:
                   recompute=p.recompute_granularity, recompute_modules=tuple(p.recompute_modules or ()),
                   micro_batch_size=t.micro_batch_size,
                   grad_accum=cfg.gradient_accumulation_steps, bf16=t.bf16, **ds_settings(ds),
+                  first_stage_layers=p.decoder_first_pipeline_num_layers, last_stage_layers=p.decoder_last_pipeline_num_layers,
                   moment_bytes=(2 if t.exp_avg_dtype != "fp32" else 4) + (2 if t.exp_avg_sq_dtype != "fp32" else 4))

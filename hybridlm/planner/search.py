@@ -170,7 +170,7 @@ def all_to_all_seconds(cfg: ModelConfig, lay: Layout, cluster: Cluster) -> float
     if lay.ep == 1 or not cfg.num_experts:
         return 0.0
     e = 2 if lay.bf16 else 4
-    moe_layers = max(sum(1 for n in stage if cfg.is_moe_layer(n)) for stage in stage_layers(cfg.num_layers, lay.pp))
+    moe_layers = max(sum(1 for n in stage if cfg.is_moe_layer(n)) for stage in stage_layers(cfg.num_layers, lay))
     rows = lay.micro_batch_size * cfg.seq_length / lay.cp * cfg.moe_router_topk  # every TP rank sends its CP slice's
     passes = 6 if lay.recompute == "full" else 4  # dispatch and combine, forward and backward (and the recompute)
     volume = passes * rows * cfg.hidden_size * e * (lay.ep - 1) / lay.ep

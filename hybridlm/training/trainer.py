@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 from deepspeed.accelerator import get_accelerator
 
-from ..config import ConfigError, RunConfig, parse_args, world_size_from_env
+from ..config import ConfigError, RunConfig, parse_args, pipeline_stage_layers, world_size_from_env
 from ..data.samples import micro_batches
 from ..data.tokenizers import build_tokenizer
 from ..model.attention_backends import block_kernel_name, describe_block_kernel, resolve_backend
@@ -173,7 +173,7 @@ def build_run(cfg: RunConfig, ds_config: dict, clock: Optional[SetupClock] = Non
         reducer = LossReducer(ps.tp, ps.cp, factory.sequence_parallel)
         recipe = fp8_recipe(cfg.model)
         model = build_model(cfg.model, factory, topology=ps.topology, loss=task.loss(reducer),
-                            layer_context=lambda: fp8_context(recipe))
+                            layer_context=lambda: fp8_context(recipe), stage_layers=uneven_stage_layers(cfg))
         init_parameters(model, cfg.train.seed, ps.tp, ps.ep)
         set_aux_loss_scale(model, aux_loss_scale(cfg.gradient_accumulation_steps))
         apply_execution_policy(cfg, model, reducer)
@@ -216,6 +216,15 @@ def layer_factory(cfg: RunConfig, ps: ParallelState, phase: MicroBatchPhase) -> 
                        norm_matmul=partial(TELocalNormMatmul, phase=phase), norm_mlp=partial(TELocalNormMLP, phase=phase))
     return LayerFactory(ModelGroups.of(ps), sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type, ops=ops,
                         device=device())
+
+
+def uneven_stage_layers(cfg: RunConfig) -> Optional[list[int]]:
+    """Transformer layers per pipeline stage when the run asks for an uneven split, else None."""
+    p = cfg.parallel
+    if p.decoder_first_pipeline_num_layers is None and p.decoder_last_pipeline_num_layers is None:
+        return None
+    return pipeline_stage_layers(cfg.model.num_layers, p.pipeline_model_parallel_size,
+                                 p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
 
 
 def apply_execution_policy(cfg: RunConfig, model, reducer: LossReducer) -> None:
