@@ -18,6 +18,6 @@ from .model import FUSED_OPS, ModelConfig
 from .run import RunConfig
 from .sections import DataConfig, ParallelConfig, PostTrainConfig, TrainConfig, pipeline_stage_layers
 
-__all__ = ["ConfigError", "DataConfig", "FUSED_OPS", "ModelConfig", "ParallelConfig", "PostTrainConfig", "RunConfig", "TrainConfig", "pipeline_stage_layers",
-           "build_parser", "config_from_dict", "effective_yaml", "flags_markdown", "load_yaml", "parse_args",
+__all__ = ["ConfigError", "DataConfig", "FUSED_OPS", "ModelConfig", "ParallelConfig", "PostTrainConfig", "RunConfig", "TrainConfig",
+           "pipeline_stage_layers", "build_parser", "config_from_dict", "effective_yaml", "flags_markdown", "load_yaml", "parse_args",
            "rank_from_env", "world_size_from_env"]

@@ -49,6 +49,7 @@ def pipeline_stage_layers(num_layers: int, pp: int, first: Optional[int] = None,
         counts[-1] = last
     return counts
 
+
 @dataclass
 class TrainConfig:
     """The optimisation run: batches, schedule, precision, I/O."""
