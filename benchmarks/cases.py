@@ -227,6 +227,10 @@ CASES = (
     Case("7b-pp2-dp2", "scaling", "PP=2 x DP=2, ZeRO-1, bf16, gbs 16, --torch-compile", **SEVEN_B,
          flags=BF16 + ("--pipeline-model-parallel-size", "2", "--global-batch-size", "16", "--torch-compile"),
          peers=("megatron-lm",), readme=True),
+    Case("7b-tp2-pp2", "scaling", "TP=2 SP x PP=2, ZeRO-1, bf16, mb 2, gbs 16, --torch-compile (the 70B template's layout in "
+         "miniature)", **SEVEN_B, flags=BF16 + ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2",
+                                                "--global-batch-size", "16", "--torch-compile"), peers=("megatron-lm",)),
     Case("7b-zero3-dp4", "scaling", "ZeRO-3 DP=4, bf16, mb 2, gbs 32", **SEVEN_B, readme=True,
          flags=("--bf16", "--micro-batch-size", "2", "--global-batch-size", "32", "--deepspeed_config", "ds_configs/zero3.json")),
     Case("1p3b-8gpu", "scaling", "reference block d2048 L24 (1.3B), TP=2 SP x PP=2 x DP=2, ZeRO-1, bf16, --torch-compile, gbs 64",

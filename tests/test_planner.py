@@ -243,3 +243,10 @@ def test_an_uneven_pipeline_split_is_planned_with_the_layers_each_stage_holds():
     assert stage_layers(16, Layout(pp=2)) == [range(0, 8), range(8, 16)]
     assert stage_layers(16, Layout(pp=2, first_stage_layers=9)) == [range(0, 9), range(9, 16)]
     assert stage_layers(16, Layout(pp=4, last_stage_layers=1)) == [range(0, 5), range(5, 10), range(10, 15), range(15, 16)]
+
+
+def test_plan_help_prints_every_option_and_exits_0(capsys):
+    from hybridlm.planner.report import main
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "at most 10% of --gpu-memory" in " ".join(capsys.readouterr().out.split())

@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default 80)")
     parser.add_argument("--reserved-gib", type=float, default=None,
                         help=f"GiB per GPU that the planned peak does not count: CUDA context, NCCL and library workspaces "
-                             f"(default {RESERVED_GIB:g}, at most {RESERVED_SHARE:.0%} of --gpu-memory)")
+                             f"(default {RESERVED_GIB:g}, at most {RESERVED_SHARE * 100:.0f}%% of --gpu-memory)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node (default 8)")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="default: the preset's layout, else 1")
     parser.add_argument("--global-batch-size", type=int, default=None, help="default: the preset's layout, else 1024")
