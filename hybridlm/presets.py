@@ -178,7 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             lay = LAYOUTS.get(name)
             where = (f"{lay.nodes} x {lay.gpus_per_node} ({lay.gpu_memory_gib:g} GiB): TP={lay.tp} PP={lay.pp} DP={lay.dp} "
                      f"{f'CP={lay.cp} ' if lay.cp > 1 else ''}EP={lay.ep} ZeRO-{lay.zero}{' SP' if lay.sequence_parallel else ''}"
-                     f"{' recompute ' + lay.recompute if lay.recompute else ''}{' compiled' if lay.torch_compile else ''}") if lay else "no suggested layout"
+                     f"{' recompute ' + lay.recompute if lay.recompute else ''}"
+                     f"{' compiled' if lay.torch_compile else ''}") if lay else "no suggested layout"
             print(f"{name:14s} {where}")
         return 0
     try:
