@@ -2,7 +2,7 @@
 transformers' ``generate`` at its best (static cache + ``torch.compile(mode="reduce-overhead")``) and as TRL
 calls it (dynamic cache, eager), on the same model and prompts, greedy.
 
-    python3 benchmarks/generation_speed.py --out $OUT [--batches 1,64] [--new-tokens 512] [--only hybridlm,hf-compiled,hf]
+    python3 benchmarks/generation_speed.py --out $OUT [--batches 1,64] [--new-tokens 512] [--fp32-tokens 128] [--only hybridlm,hf-compiled,hf]
     python3 benchmarks/generation_speed.py --out /tmp/x --tiny         (smoke test on a CPU)
     python3 benchmarks/generation_speed.py --out $OUT --profile        (where a decode step's time goes, hybridlm only)
 
@@ -13,7 +13,9 @@ seed); every row decodes ``--new-tokens`` tokens (no stop token). A decode step'
 (The compiled peer's step is its whole call / N: a 1-token call would compile again.)
 Greedy outputs of each framework are compared row by row with hybridlm's: with random bf16 weights many
 logits nearly tie, so rows may part where two kernels round differently; the table gives how many rows
-agree to the end and the mean share of tokens agreeing before the first difference.
+agree to the end and the mean share of tokens agreeing before the first difference. Whether the two
+decoders compute the same function is the fp32 check: the same weights in fp32 (no TF32), the largest batch,
+``--fp32-tokens`` new tokens greedy, hybridlm's rows against transformers' eager ``generate`` row by row.
 """
 from __future__ import annotations
 
@@ -88,6 +90,11 @@ def measure(generate, args, prefill: bool = True) -> dict:
     return out
 
 
+def fp32_rows(generate, args) -> list:
+    """The greedy rows of the largest batch in fp32 (``generate`` of a model loaded in fp32): the equality check."""
+    return generate(prompts_of(max(args.batch_sizes), shape(args.tiny)["vocab_size"]), args.fp32_tokens)
+
+
 def stage_hybridlm(args, paths: dict) -> dict:
     import torch
     from hybridlm.interop.generate import load_for_generation
@@ -96,7 +103,10 @@ def stage_hybridlm(args, paths: dict) -> dict:
     generator, _, _ = load_for_generation(paths["ckpt"], SINGLE, device)
     if args.profile:
         return {"profile": profile(generator, args)}
-    return measure(lambda prompts, n: generator.generate_batch(prompts, n).tokens, args)
+    out = measure(lambda prompts, n: generator.generate_batch(prompts, n).tokens, args)
+    del generator
+    exact, _, _ = load_for_generation(paths["ckpt"], SINGLE, device, torch.float32)
+    return {**out, "fp32": fp32_rows(lambda prompts, n: exact.generate_batch(prompts, n).tokens, args)}
 
 
 def profile(generator, args) -> str:
@@ -123,12 +133,12 @@ def profile(generator, args) -> str:
     return head + "\n" + table
 
 
-def stage_hf(args, paths: dict, compiled: bool) -> dict:
+def hf_generate(paths: dict, dtype, compiled: bool = False):
+    """transformers' greedy ``generate(prompts, n)`` on the HF model in ``dtype`` (left-padded rows, an attention mask)."""
     import torch
     import transformers
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = transformers.AutoModelForCausalLM.from_pretrained(paths["hf"], dtype=torch.float32 if args.tiny else torch.bfloat16,
-                                                              attn_implementation="sdpa").to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths["hf"], dtype=dtype, attn_implementation="sdpa").to(device).eval()
     if compiled:  # transformers' own recipe: with a static cache, generate compiles the decode step (reduce-overhead)
         model.generation_config.cache_implementation = "static"
 
@@ -140,7 +150,16 @@ def stage_hf(args, paths: dict, compiled: bool) -> dict:
         out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
         return out[:, width:].tolist()
-    return measure(generate, args, prefill=not compiled)
+    return generate
+
+
+def stage_hf(args, paths: dict, compiled: bool) -> dict:
+    import torch
+    out = measure(hf_generate(paths, torch.float32 if args.tiny else torch.bfloat16, compiled), args, prefill=not compiled)
+    if compiled:
+        return out
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return {**out, "fp32": fp32_rows(hf_generate(paths, torch.float32), args)}
 
 
 def agreement(ours: list, theirs: list) -> tuple[int, float]:
@@ -152,6 +171,17 @@ def agreement(ours: list, theirs: list) -> tuple[int, float]:
     return sum(s == 1.0 for s in shares), statistics.mean(shares)
 
 
+def by_batch(result: dict | None) -> dict:
+    """A stage's figures per batch size (its result without the fp32 check's rows)."""
+    return {batch: r for batch, r in (result or {}).items() if batch != "fp32"}
+
+
+def fp32_agreement(results: dict) -> tuple[int, int] | None:
+    """(rows of hybridlm's fp32 decode equal to transformers' to the end, rows), when both stages ran the check."""
+    ours, theirs = ((results.get(stage) or {}).get("fp32") for stage in ("hybridlm", "hf"))
+    return None if ours is None or theirs is None else (agreement(ours, theirs)[0], len(ours))
+
+
 def table(results: dict, args) -> str:
     import torch
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -159,21 +189,25 @@ def table(results: dict, args) -> str:
            f"{time.strftime('%Y-%m-%d')}",
            "| run | batch | tokens/s | decode step ms | prefill + 1 token s | rows equal to hybridlm's | tokens agreeing |",
            "|---|---|---|---|---|---|---|"]
-    ours = results.get("hybridlm") or {}
+    ours = by_batch(results.get("hybridlm"))
     for stage in STAGES:
-        for batch, r in (results.get(stage) or {}).items():
+        for batch, r in by_batch(results.get(stage)).items():
             same = agreement(ours[batch]["rows"], r["rows"]) if batch in ours and stage != "hybridlm" else None
             agree = f"{same[0]}/{len(r['rows'])} | {100 * same[1]:.0f}%" if same else " | "
             prefill = "-" if r["prefill_s"] is None else f"{r['prefill_s']:.3f}"
             out.append(f"| {stage} | {batch} | {r['tokens_per_sec']:,.0f} | {r['decode_step_ms']:.2f} | {prefill} | {agree} |")
+    exact = fp32_agreement(results)
+    if exact:
+        out.append(f"\nfp32 check (the same weights in fp32, batch {max(args.batch_sizes)}, {args.fp32_tokens} new tokens): "
+                   f"{exact[0]}/{exact[1]} of hybridlm's greedy rows equal transformers' generate to the end")
     return "\n".join(out)
 
 
 def records_of(results: dict, args, argv: list) -> list[dict]:
     out = []
-    ours = results.get("hybridlm") or {}
+    ours, exact = by_batch(results.get("hybridlm")), fp32_agreement(results)
     for stage in STAGES:
-        for batch, r in (results.get(stage) or {}).items():
+        for batch, r in by_batch(results.get(stage)).items():
             label = (f"greedy decoding, {'tiny' if args.tiny else 'Qwen2-0.5B shape'}, batch {batch}, {args.new_tokens} new tokens, "
                      + {"hybridlm": "hybridlm's generator (CUDA graphs)", "hf-compiled": "transformers generate, static cache + "
                         "torch.compile reduce-overhead", "hf": "transformers generate, dynamic cache (as TRL calls it)"}[stage])
@@ -181,6 +215,8 @@ def records_of(results: dict, args, argv: list) -> list[dict]:
             if stage != "hybridlm" and batch in ours:
                 figures["hybridlm/this"] = f"{ours[batch]['tokens_per_sec'] / r['tokens_per_sec']:.2f}x"
                 figures["rows equal"] = "{}/{}".format(agreement(ours[batch]["rows"], r["rows"])[0], len(r["rows"]))
+            if stage == "hf" and exact and int(batch) == max(args.batch_sizes):
+                figures[f"rows equal fp32 ({args.fp32_tokens} tokens)"] = f"{exact[0]}/{exact[1]}"
             out.append(script_record("python benchmarks/generation_speed.py", argv, label, figures,
                                      system="hybridlm" if stage == "hybridlm" else "transformers"))
     return out
@@ -194,6 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,64", help="comma list of batch sizes")
     parser.add_argument("--new-tokens", type=int, default=None, help="default 512; tiny 16")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fp32-tokens", type=int, default=None, help="new tokens of the fp32 equality check (default 128; tiny 16)")
     parser.add_argument("--only", default=",".join(STAGES))
     parser.add_argument("--profile", action="store_true", help="profile hybridlm's decode at the largest batch instead")
     parser.add_argument("--record-file", default=None)
@@ -201,6 +238,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batches.split(",")]
     args.new_tokens = args.new_tokens or (16 if args.tiny else 512)
+    args.fp32_tokens = args.fp32_tokens or (16 if args.tiny else 128)
     args.workdir = args.workdir or os.path.join(args.out, "work")
     os.makedirs(args.workdir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)
@@ -212,7 +250,7 @@ def main(argv=None) -> int:
         return 0
     prepare(args)
     options = ["--out", args.out, "--workdir", args.workdir, "--batches", args.batches, "--new-tokens", str(args.new_tokens),
-               "--repeats", str(args.repeats)] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
+               "--repeats", str(args.repeats), "--fp32-tokens", str(args.fp32_tokens)] + (["--tiny"] if args.tiny else []) + (["--profile"] if args.profile else [])
     only = ["hybridlm"] if args.profile else [s for s in args.only.split(",") if s in STAGES]
     results = {s: stages.run_stage(__file__, s, options, os.path.join(args.out, f"{s}.log")) for s in only}
     if args.profile:

@@ -136,6 +136,20 @@ def trl_loss(logps: list, data: dict, advantages: torch.Tensor, *, loss_type: st
     return total / processes
 
 
+def transformers_rollouts(hf_dir: str, prompts: list, stops, new_tokens: int = 8) -> list[list[int]]:
+    """transformers' greedy completions of ``prompts`` (left-padded, an attention mask), each cut after its first
+    token in ``stops``: what GRPO's rollouts with ``--top-k 1`` must produce."""
+    from finetune_runs import hf_model
+    model = hf_model(hf_dir).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts]).unsqueeze(1)).long()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, eos_token_id=list(stops),
+                             pad_token_id=0)[:, width:].tolist()
+    return [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in out]
+
+
 # ---------------------------------------------------------------- inside the ranks
 
 def _probe_grads(run) -> dict:
@@ -219,3 +233,15 @@ def rollout_then_step(flags: list[str], prompts: list) -> dict:
     loss = train_step(run, data_iterator(run)).item()
     return {"tokens": out.tokens, "truncated": out.truncated, "stops": run.task.stops, "loss": loss,
             "frozen": run.task.frozen is not None}
+
+
+def graphed_rollout_then_step(flags: list[str], prompts: list) -> dict:
+    """``rollout_then_step``, with the batch sizes whose decode step was captured as a CUDA graph."""
+    from hybridlm.model import decode_state
+    captured, capture = [], decode_state.StepRunner._capture
+
+    def counted(runner, batch):
+        captured.append(batch)
+        return capture(runner, batch)
+    decode_state.StepRunner._capture = counted
+    return {**rollout_then_step(flags, prompts), "captured": captured}

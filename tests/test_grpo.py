@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from finetune_runs import as_hf_names, hf_model
-from grpo_runs import (FROZEN, completion_logps, fixed_rollouts, model_and_prompts, rollout_then_step, run_flags,
-                       train_on_fixed_rollouts, train_steps, trl_advantages, trl_loss, with_logps, even_tokens)
+from grpo_runs import (FROZEN, completion_logps, even_tokens, fixed_rollouts, graphed_rollout_then_step, model_and_prompts,
+                       rollout_then_step, run_flags, train_on_fixed_rollouts, train_steps, transformers_rollouts, trl_advantages,
+                       trl_loss, with_logps)
 from harness import run_ranks
 from oracle import ds_config, relative_error
 
@@ -73,15 +74,13 @@ def test_rollouts_on_the_training_weights_are_transformers_generate(tmp_path_fac
     got = run_ranks(world, rollout_then_step, run_flags(directory, "--top-k", "1", "--train-iters", "1", *flags), PROMPTS,
                     timeout=400)
     assert all(g["tokens"] == got[0]["tokens"] for g in got), "every rank must decode the same rows"
+    _assert_transformers_rollouts(got, hf_dir)
+
+
+def _assert_transformers_rollouts(got: list[dict], hf_dir: str) -> None:
+    """Rank 0's rollouts of PROMPTS are transformers' greedy ones (cut at the stop tokens) and every rank then trained."""
     stops = got[0]["stops"]
-    model = hf_model(hf_dir).eval()
-    width = max(map(len, PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
-    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in PROMPTS]).unsqueeze(1)).long()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=list(stops),
-                             pad_token_id=0)[:, width:].tolist()
-    theirs = [row[: next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in out]
+    theirs = transformers_rollouts(hf_dir, PROMPTS, stops)
     assert all(len(set(row)) > 2 for row in theirs), "a degenerate continuation would not test much"
     assert got[0]["tokens"] == theirs
     assert got[0]["truncated"] == [len(row) == 8 and row[-1] not in stops for row in theirs]
@@ -134,3 +133,22 @@ def test_a_tiny_model_learns_a_learnable_reward_from_chance(pinned):
     rewards = [r["reward"] for r in run_ranks(1, train_steps, flags, 40, timeout=400)[0]["records"]]
     assert 0.35 < sum(rewards[:3]) / 3 < 0.65, rewards
     assert sum(rewards[-5:]) / 5 >= 0.8, rewards
+
+
+# ---------------------------------------------------------------- on the GPU machine (pytest -m gpu)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("layout", ["zero3", "lora"])
+def test_graphed_rollouts_on_one_gpu_under_zero3_and_lora_are_transformers_generate(tmp_path_factory, layout):
+    # the decode step replayed from CUDA graphs on the live training weights: under ZeRO-3 the graphs read the weights
+    # gathered for the rollout, with LoRA the adapters' extra products (zero at the start: the base's rollouts); the step
+    # after the rollout must find the engine as it was. fp32 (no TF32): the rows are transformers' exactly
+    directory = tmp_path_factory.getbasetemp() / "grpo_rollouts"
+    hf_dir, _, _ = model_and_prompts(directory, initializer_range=0.3)
+    flags = ds_config("zero3") if layout == "zero3" else ["--lora-rank", "4", *ds_config("zero1")]
+    # a spawned rank: a forked one cannot use CUDA once the test process has asked torch.cuda.is_available()
+    got = run_ranks(1, graphed_rollout_then_step, run_flags(directory, "--top-k", "1", "--train-iters", "1", *flags), PROMPTS,
+                    timeout=400, start_method="spawn")
+    assert got[0]["captured"], "the rollout's decode step was not captured as a CUDA graph"
+    _assert_transformers_rollouts(got, hf_dir)
