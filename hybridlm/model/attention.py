@@ -26,7 +26,11 @@ class Rotary:
         return emb.cos(), emb.sin()
 
     def cos_sin(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [s, d] of positions 0..seq_len-1."""
+        """cos, sin [s, d] of positions 0..seq_len-1. Inside a compiled graph they are computed, not cached: filling
+        the cache there made dynamo guard on the cache's contents, so each compiled layer compiled a second time at
+        its second call (Inductor fuses the few cos/sin into the rotation's kernel instead)."""
+        if torch.compiler.is_compiling():
+            return self.rotation(torch.arange(seq_len, device=device))
         key = (seq_len, str(device))
         if key not in self._cache:
             self._cache = {key: self.rotation(torch.arange(seq_len, device=device))}
