@@ -214,6 +214,14 @@ class ShardPlugin:
         config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
         items[:] = [item for item in items if item.nodeid in keep]
 
+    def pytest_collectreport(self, report):
+        # A module skipped as a whole (pytest.importorskip of a missing library) yields no test, so no test report: this
+        # is the only place its reason shows. Its tests belong to no shard's cut, so the first shard (or an uncut run)
+        # keeps it, once, as one skip named by the module. Under xdist the controller gets each such report once.
+        if report.skipped and (self.shard is None or self.shard[0] == 1):
+            self.outcomes[report.nodeid] = "skipped"
+            self.skips[report.nodeid] = _skip_reason(report)
+
     def pytest_runtest_logreport(self, report):
         node = report.nodeid
         self.durations[node] = round(self.durations.get(node, 0.0) + report.duration, 2)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
 from harness import launch_deepspeed as _launch
 from harness import run_ranks
-from oracle import TINY
+from oracle import ROOT, TINY
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +88,18 @@ def test_deepspeed_launcher_bad_layout_exits_fast_with_one_sentence_and_no_trace
     assert 1 <= result.stderr.count(sentence) <= 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "hybridlm: ParallelState" not in result.stdout + result.stderr, "a rank built its process groups first"
+
+
+def test_every_rank_of_a_refused_launch_refuses_before_importing_torch():
+    # The launched script answers what the flags, the JSON and the world size decide before it imports torch, DeepSpeed
+    # and torch's compiler (~7 s of CPU a rank): the bad layout above, as its rank 1 runs it.
+    probe = ("import sys; from hybridlm.training.entry import main; code = main(sys.argv[1:]); "
+             "print('exit', code, 'torch imported' if 'torch' in sys.modules else 'torch not imported')")
+    result = subprocess.run([sys.executable, "-c", probe, "--deepspeed_config", "ds_configs/zero2.json",
+                             "--pipeline-model-parallel-size", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
+    assert result.stdout.split() == ["exit", "2", "torch", "not", "imported"], result.stdout + result.stderr[-2000:]
+    assert result.stderr.count("cannot be combined with --pipeline-model-parallel-size 2") == 1, result.stderr
 
 
 def test_the_readme_command_trains_the_builtin_model_and_its_loss_falls_well_below_chance(tmp_path):

@@ -101,6 +101,23 @@ def test_the_record_counts_outcomes_keeps_skip_reasons_and_says_when_a_run_stopp
     assert record["failures"][0]["test"] == "t::bad" and record["durations"]["t::ok"] == 2.0
 
 
+def test_a_module_skipped_at_collection_is_one_skip_with_its_reason_in_the_first_shards_record_only(tmp_path, monkeypatch):
+    # tests/test_qlora.py without bitsandbytes: pytest.importorskip skips the module, so no test of it ever reports
+    monkeypatch.setenv(CALL_ENV, "2026-12-01T100000-box")
+    skipped = _report("tests/test_qlora.py", "collect", "skipped", ("tests/test_qlora.py", 12, "Skipped: QLoRA's base is bitsandbytes'"))
+    records = {}
+    for k in (1, 2):
+        plugin = ShardPlugin((k, 2), str(tmp_path / str(k)), [f"--shard={k}/2"])
+        plugin.pytest_collectreport(_report("tests/test_ops.py", "collect", "passed"))
+        plugin.pytest_collectreport(skipped)
+        plugin.pytest_runtest_logreport(_report("t::ok", "call", "passed"))
+        plugin.pytest_sessionfinish(None, 0)
+        records[k] = json.loads((tmp_path / str(k) / "records.jsonl").read_text())
+    assert records[1]["skips"] == [{"test": "tests/test_qlora.py", "reason": "QLoRA's base is bitsandbytes'"}]
+    assert records[1]["figures"]["skipped"] == 1 and records[1]["figures"]["passed"] == 1
+    assert records[2]["skips"] == [] and records[2]["figures"]["skipped"] == 0
+
+
 def test_what_a_test_says_of_itself_reaches_the_record_and_survives_the_next_pass(tmp_path, monkeypatch):
     # a slow test's breakdown (pytest's record_property): where its minutes went, readable without another GPU run
     monkeypatch.setenv(CALL_ENV, "2026-11-28T030000-box")

@@ -312,8 +312,26 @@ def test_fine_grained_experts_64_of_width_32_top8_at_ep2_match_single_process():
 
 @pytest.mark.slow
 def test_torch_compile_of_moe_layers_computes_the_eager_function():
-    # torch.compile's shape check of grouped_mm demands bf16, so fp32 CPU runs loop over experts there.
-    assert_matches(reference(), run_ranks(1, train_and_probe, TINY + MOE + ["--torch-compile"] + ds_config("zero1"), timeout=600)[0])
+    # What MoE adds under torch.compile is where dynamo's graphs break (around the expert loop and its all-to-alls) and
+    # what AOT autograd makes of the router, the balancing losses and the routed statistics: aot_eager traces forward and
+    # backward as Inductor's front half does, without Inductor's C++ build of each of the ~36 kernels of a cold cache
+    # (about 60 s of CPU here). Inductor's own kernels of these layers, Triton's as users run them: the GPU test below;
+    # Inductor's CPU kernels of a layer: test_oracle.py's one-process compile test. torch.compile's shape check of
+    # grouped_mm demands bf16, so fp32 CPU runs loop over experts there.
+    flags = TINY + MOE + ["--torch-compile", "--torch-compile-backend", "aot_eager"] + ds_config("zero1")
+    assert_matches(reference(), run_ranks(1, train_and_probe, flags, timeout=600)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Inductor's Triton kernels)")
+def test_torch_compile_of_moe_layers_on_a_gpu_computes_the_eager_function():
+    # Inductor's Triton kernels of the MoE layers (router, top-k, balancing and z losses, the pieces between the experts),
+    # fp32 without TF32: the eager run on the same GPU is the oracle, to the rounding of kernels that sum in another order.
+    # Spawned ranks: a forked one cannot use CUDA once the test process has asked torch.cuda.is_available().
+    flags = TINY + MOE + ds_config("zero1")
+    eager, compiled = (run_ranks(1, train_and_probe, flags + extra, timeout=600, start_method="spawn")[0]
+                       for extra in ([], ["--torch-compile"]))
+    assert_matches(eager, compiled, tol=1e-4)
 
 
 @pytest.mark.gpu

@@ -111,11 +111,12 @@ def _first_calls_outside_capture(layers, samples, recipe, calls: int = 2) -> Non
     """Forward and backward of each layer before TE's capture, gradients discarded.
 
     A layer compiled whole (``--torch-compile`` without TE's GEMMs) is guarded on its
-    submodules' hooks and on state its first call builds. TE's warmup runs the layers with a
-    forward hook on every submodule and removes the hooks before capturing, so a layer first
-    compiled in that warmup recompiles inside the capture, where compiling fails (the bf16
-    reference model did, on an H200). Called here without hooks, twice (so that a graph also
-    exists for what the first call left behind), the capture finds its graph cached. (Captured, such a
+    submodules' hooks. TE's warmup runs the layers with a forward hook on every submodule and
+    removes the hooks before capturing, so a layer first compiled in that warmup recompiles
+    inside the capture, where compiling fails (the bf16 reference model did, on an H200). Called
+    here without hooks, the capture finds its graph cached. One call builds it (the test says so);
+    the default of two was for the RoPE tables a first call once cached (a guard the second call
+    failed), and stays until a GPU run shows one is enough with TE. (Captured, such a
     layer then gave NaN input gradients on H200s, so start-up refuses the combination for now.)"""
     on_gpu = samples[0][0].is_cuda
     with torch.cuda.stream(torch.cuda.Stream()) if on_gpu else contextlib.nullcontext(), fp8_context(recipe):

@@ -12,8 +12,6 @@ import json
 import os
 import tempfile
 
-import torch
-
 from ..config import ConfigError, RunConfig
 
 # JSON path -> (flag, config section, field)
@@ -83,8 +81,10 @@ def adopt_ds_config(ds: dict, cfg: RunConfig, path: str) -> None:
                           "and --lr-decay-style, so remove it.")
 
 
-def model_dtype(cfg: RunConfig) -> torch.dtype:
-    """The dtype DeepSpeed gives the parameters (and accumulates their gradients in, by default)."""
+def model_dtype(cfg: RunConfig) -> "torch.dtype":
+    """The dtype DeepSpeed gives the parameters (and accumulates their gradients in, by default). torch is imported
+    here, not with the module: the launched scripts read the JSON before they import torch (training/entry.py)."""
+    import torch
     return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
 
 

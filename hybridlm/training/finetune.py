@@ -48,5 +48,5 @@ def parse_finetune_args(argv: Optional[list[str]] = None) -> RunConfig:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from .trainer import main as train_main
-    return train_main(argv, parse=parse_finetune_args)
+    from .entry import main as entry_main
+    return entry_main(argv, parse=parse_finetune_args)
