@@ -30,7 +30,8 @@ $(STAMP): setup.py
 	@# No byte-compiling at install (pip's, one file at a time, was ~30 s of the venv's minute; compileall of all of
 	@# torch, transformers and sympy 26 s on 2 cores): Python writes the .pyc of what is imported, once (see RUN).
 	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(PY) -c "import torch; print('torch==' + torch.__version__.split('+')[0])" > $(VENV)/constraints.txt
+	@# the installed version from pip's metadata (importing torch only to read it took 6 s of the set-up)
+	$(PY) -c "from importlib.metadata import version; print('torch==' + version('torch').split('+')[0])" > $(VENV)/constraints.txt
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-compile -c $(VENV)/constraints.txt -e ".[dev]"
 	@# NVMe offload (ZeRO-Infinity) needs libaio; install it where we may (root with apt), else its test skips.
 	@dpkg -s libaio-dev >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
