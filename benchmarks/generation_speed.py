@@ -105,6 +105,8 @@ def stage_hybridlm(args, paths: dict) -> dict:
         return {"profile": profile(generator, args)}
     out = measure(lambda prompts, n: generator.generate_batch(prompts, n).tokens, args)
     del generator
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     exact, _, _ = load_for_generation(paths["ckpt"], SINGLE, device, torch.float32)
     return {**out, "fp32": fp32_rows(lambda prompts, n: exact.generate_batch(prompts, n).tokens, args)}
 
@@ -158,7 +160,8 @@ def stage_hf(args, paths: dict, compiled: bool) -> dict:
     out = measure(hf_generate(paths, torch.float32 if args.tiny else torch.bfloat16, compiled), args, prefill=not compiled)
     if compiled:
         return out
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {**out, "fp32": fp32_rows(hf_generate(paths, torch.float32), args)}
 
 

@@ -124,7 +124,7 @@ def _render(template: str, tmp_path) -> list[str]:
 def test_templates_render_into_a_pretrain_command_that_validates_for_their_allocation(template, preset, tmp_path):
     from hybridlm.config import parse_args
     from hybridlm.presets import layout
-    from hybridlm.training.ds_config import adopt_ds_config, read_ds_config
+    from hybridlm.training.ds_config import ds_config_of
 
     command = _render(template, tmp_path)
     assert not [word for word in command if "$" in word], "an unexpanded variable"
@@ -140,8 +140,7 @@ def test_templates_render_into_a_pretrain_command_that_validates_for_their_alloc
     if preset != "tiny":
         assert int(resources["gpus-per-node"]) == lay.gpus_per_node  # one task per GPU
     cfg = parse_args(args)
-    path = os.path.join(ROOT, cfg.train.deepspeed_config)
-    adopt_ds_config(read_ds_config(path), cfg, path)
+    ds_config_of(cfg)  # a relative --deepspeed_config is found in the source tree, from any working directory
     cfg.validate(lay.world_size)
     p = cfg.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.zero_stage) == (lay.tp, lay.pp, lay.zero)

@@ -81,6 +81,14 @@ def adopt_ds_config(ds: dict, cfg: RunConfig, path: str) -> None:
                           "and --lr-decay-style, so remove it.")
 
 
+def ds_config_of(cfg: RunConfig) -> dict:
+    """The run's JSON (``--deepspeed_config``), its concrete values taken into ``cfg`` (``adopt_ds_config``): the first
+    check of every run, in the trainer and before torch is imported (training/entry.py)."""
+    ds = read_ds_config(cfg.train.deepspeed_config)
+    adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
+    return ds
+
+
 def model_dtype(cfg: RunConfig) -> "torch.dtype":
     """The dtype DeepSpeed gives the parameters (and accumulates their gradients in, by default). torch is imported
     here, not with the module: the launched scripts read the JSON before they import torch (training/entry.py)."""

@@ -12,7 +12,7 @@ import sys
 from typing import Callable, Optional
 
 from ..config import ConfigError, RunConfig, parse_args, world_size_from_env
-from .ds_config import adopt_ds_config, read_ds_config
+from .ds_config import ds_config_of
 
 
 def refusal(argv: Optional[list[str]], parse: Callable[[Optional[list[str]]], RunConfig] = parse_args) -> Optional[str]:
@@ -20,8 +20,7 @@ def refusal(argv: Optional[list[str]], parse: Callable[[Optional[list[str]]], Ru
     (and whatever else is wrong is the trainer's to say)."""
     try:
         cfg = parse(argv)
-        ds = read_ds_config(cfg.train.deepspeed_config)
-        adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
+        ds_config_of(cfg)
         cfg.validate(world_size_from_env())
     except ConfigError as e:
         return str(e)

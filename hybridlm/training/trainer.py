@@ -41,8 +41,7 @@ from ..planner.fit import check_fits, checked, device_memory_bytes
 from . import checkpoint
 from .deepspeed_muon import answer_muon_checks
 from .distributed import device, init_distributed, on_gpu
-from .ds_config import (adopt_ds_config, check_gradient_accumulation_fusion, finalize_ds_config, model_dtype, offload_device,
-                        read_ds_config)
+from .ds_config import (check_gradient_accumulation_fusion, ds_config_of, finalize_ds_config, model_dtype, offload_device)
 from .manual_gc import ManualGC
 from .metrics import StepLog, peak_tflops
 from .monitor import Monitor, check_config as check_monitor_config
@@ -61,8 +60,7 @@ from .tracking import build_trackers, check_backends, close_all, log_all, wandb_
 
 def prepare_config(cfg: RunConfig, world_size: Optional[int] = None) -> tuple[RunConfig, dict]:
     """Reconcile flags with the JSON and validate the layout. Raises ConfigError; touches no process group."""
-    ds = read_ds_config(cfg.train.deepspeed_config)
-    adopt_ds_config(ds, cfg, cfg.train.deepspeed_config)
+    ds = ds_config_of(cfg)
     d = cfg.data
     if d.mock_data and d.data_path is not None:
         raise ConfigError("--mock-data cannot be combined with --data-path; give one of them.")
