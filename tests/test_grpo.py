@@ -71,7 +71,8 @@ def test_rollouts_on_the_training_weights_are_transformers_generate(tmp_path_fac
     directory = tmp_path_factory.getbasetemp() / "grpo_rollouts"
     hf_dir, _, _ = model_and_prompts(directory, initializer_range=0.3)  # not near-ties: greedy is well defined
     world, flags = LAYOUTS[layout]
-    got = run_ranks(world, rollout_then_step, run_flags(directory, "--top-k", "1", "--train-iters", "1", *flags), PROMPTS,
+    got = run_ranks(world, rollout_then_step, run_flags(directory, "--reward-funcs", even_tokens(directory), "--top-k", "1", "--train-iters", "1",
+                                                             *flags), PROMPTS,
                     timeout=400)
     assert all(g["tokens"] == got[0]["tokens"] for g in got), "every rank must decode the same rows"
     _assert_transformers_rollouts(got, hf_dir)
@@ -148,7 +149,8 @@ def test_graphed_rollouts_on_one_gpu_under_zero3_and_lora_are_transformers_gener
     hf_dir, _, _ = model_and_prompts(directory, initializer_range=0.3)
     flags = ds_config("zero3") if layout == "zero3" else ["--lora-rank", "4", *ds_config("zero1")]
     # a spawned rank: a forked one cannot use CUDA once the test process has asked torch.cuda.is_available()
-    got = run_ranks(1, graphed_rollout_then_step, run_flags(directory, "--top-k", "1", "--train-iters", "1", *flags), PROMPTS,
-                    timeout=400, start_method="spawn")
+    # the project's own reward: the GPU machine has no math-verify for the shared flags' accuracy reward
+    flags = run_flags(directory, "--reward-funcs", even_tokens(directory), "--top-k", "1", "--train-iters", "1", *flags)
+    got = run_ranks(1, graphed_rollout_then_step, flags, PROMPTS, timeout=400, start_method="spawn")
     assert got[0]["captured"], "the rollout's decode step was not captured as a CUDA graph"
     _assert_transformers_rollouts(got, hf_dir)
