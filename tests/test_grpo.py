@@ -71,8 +71,7 @@ def test_rollouts_on_the_training_weights_are_transformers_generate(tmp_path_fac
     directory = tmp_path_factory.getbasetemp() / "grpo_rollouts"
     hf_dir, _, _ = model_and_prompts(directory, initializer_range=0.3)  # not near-ties: greedy is well defined
     world, flags = LAYOUTS[layout]
-    got = run_ranks(world, rollout_then_step, run_flags(directory, "--reward-funcs", even_tokens(directory), "--top-k", "1", "--train-iters", "1",
-                                                             *flags), PROMPTS,
+    got = run_ranks(world, rollout_then_step, run_flags(directory, "--top-k", "1", "--train-iters", "1", *flags), PROMPTS,
                     timeout=400)
     assert all(g["tokens"] == got[0]["tokens"] for g in got), "every rank must decode the same rows"
     _assert_transformers_rollouts(got, hf_dir)
