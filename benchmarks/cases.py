@@ -271,14 +271,29 @@ CASES = (
          warmup=3, flags=BF16 + QLORA + ("--recompute-granularity", "full", "--recompute-method", "block",
                                          "--recompute-num-layers", "16") + SFT_ROWS, expected_s=240, timeout_s=480,
          needs=("bnb",)),
+    Case("7b-qlora-r16-norecompute", "post-training", f"{L_QLORA}, no recompute", model="llama2-7b", steps=6, warmup=3,
+         flags=BF16 + QLORA + SFT_ROWS, expected_s=240, timeout_s=480, needs=("bnb",)),
     Case("13b-qlora-r16", "post-training", f"{L_QLORA}, full recompute", model="llama2-13b", steps=4, warmup=2,
          flags=BF16 + QLORA + ("--recompute-granularity", "full") + SFT_ROWS, expected_s=300, timeout_s=560, needs=("bnb",)),
+    # does a 70B base fit one H200 in 4 bits (issue 46)? One row a step: a step of 8 would take most of a minute
+    Case("70b-qlora-r16-probe", "post-training", f"{L_QLORA.replace('gbs 8', 'gbs 1')}, full recompute", model="llama2-70b",
+         steps=2, warmup=1, flags=BF16 + QLORA + ("--recompute-granularity", "full", "--seq-length", "4096",
+                                                 "--micro-batch-size", "1", "--global-batch-size", "1"),
+         expected_s=300, timeout_s=560, needs=("bnb",)),
     # the same QLoRA beside PEFT + bitsandbytes through TRL's SFTTrainer on the same packed chat data (a random llama2-7b-shaped
     # Hugging Face model and its import, made once in the work directory: ~27 GB of disk)
     Case("7b-qlora-peft", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
          "quantization, packed rows of 4096, mb 1, gbs 8; PEFT + bitsandbytes (TRL SFTTrainer) beside it", gpus=1,
          figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
          script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench"),
+         expected_s=480, timeout_s=590, needs=("bnb", "peft", "trl")),
+    # the same pair where the card holds every activation (an 80 GiB one): neither side recomputes
+    Case("7b-qlora-peft-norecompute", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
+         "quantization, packed rows of 4096, mb 1, gbs 8, no recompute on either side; PEFT + bitsandbytes (TRL SFTTrainer, "
+         "no gradient checkpointing) beside it", gpus=1,
+         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
+         script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench",
+                 "--hybridlm-flags=", "--no-peft-recompute"),
          expected_s=480, timeout_s=590, needs=("bnb", "peft", "trl")),
     Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "
          "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,

@@ -10,8 +10,9 @@ tokenizer and imported with convert_from_hf (benchmarks/sft_throughput.py's ``pr
 LoRA R16 alpha 32, dropout 0, on every linear of the blocks (hybridlm: one adapter per fused weight) over
 the base held in NF4 with double quantization, computing in bf16; rows of ``--seq-length`` packed from the
 same conversations, micro-batch 1, ``--global-batch-size`` rows a step, AdamW at a constant LR. The PEFT
-side checkpoints every layer's activations (``gradient_checkpointing``, PEFT's QLoRA recipe), hybridlm
-recomputes as ``--hybridlm-flags`` says (default: every layer, the same). Each run is a process of its own;
+side checkpoints every layer's activations (``gradient_checkpointing``, PEFT's QLoRA recipe; ``--no-peft-recompute``:
+none, its fastest where the card holds every activation), hybridlm recomputes as ``--hybridlm-flags`` says (default:
+every layer, the same). Each run is a process of its own;
 its peak memory is torch.cuda.max_memory_allocated over the whole process, loading and quantization included.
 """
 from __future__ import annotations
@@ -94,7 +95,8 @@ def stage_peft(args, paths: dict) -> dict:
                        gradient_accumulation_steps=args.global_batch_size, max_steps=args.warmup + args.steps,
                        learning_rate=1e-4, lr_scheduler_type="constant", bf16=dtype == torch.bfloat16, packing=True,
                        padding_free=implementation == TORCH_VARLEN, max_length=args.seq_length, completion_only_loss=True,
-                       gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+                       gradient_checkpointing=args.peft_recompute,
+                       gradient_checkpointing_kwargs={"use_reentrant": False} if args.peft_recompute else None,
                        logging_steps=10**6, save_strategy="no", report_to=[], dataloader_num_workers=0,
                        optim="adamw_torch_fused" if on_gpu else "adamw_torch", use_cpu=not on_gpu)
     counts, positions = [], []
@@ -123,7 +125,8 @@ def run_stage(args, stage: str) -> dict:
     """One measurement in a process of its own (benchmarks/stages.py): fresh GPU memory, its own peak."""
     options = ["--out", args.out, "--workdir", args.workdir, "--shape", args.shape, "--seq-length", str(args.seq_length),
                "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--samples", str(args.samples), f"--hybridlm-flags={args.hybridlm_flags}"]
+               "--samples", str(args.samples), f"--hybridlm-flags={args.hybridlm_flags}",
+               "--peft-recompute" if args.peft_recompute else "--no-peft-recompute"]
     return stages.run_stage(__file__, stage, options + (["--tiny"] if args.tiny else []), os.path.join(args.out, f"qlora-{stage}.log"))
 
 
@@ -137,8 +140,8 @@ def table(results: dict, args) -> str:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     out = [f"QLoRA, {describe(args)}, {device}, {time.strftime('%Y-%m-%d')}",
            "| run | loss tokens/s | positions/s | peak GiB | note |", "|---|---|---|---|---|"]
-    notes = {"hybridlm": f"hybridlm --quant-bits 4 {args.hybridlm_flags}".strip(),
-             "peft": "PEFT {peft} + bitsandbytes {bitsandbytes}, TRL {trl} SFTTrainer, gradient checkpointing, {attn_implementation}"}
+    notes = {"hybridlm": f"hybridlm --quant-bits 4 {args.hybridlm_flags or '(no recompute)'}",
+             "peft": "PEFT {peft} + bitsandbytes {bitsandbytes}, TRL {trl} SFTTrainer, " + peft_recompute(args) + ", {attn_implementation}"}
     for stage in STAGES:
         r = results.get(stage) or {}
         note = notes[stage].format(**{k: r.get(k, "?") for k in ("peft", "bitsandbytes", "trl", "attn_implementation")})
@@ -150,6 +153,10 @@ def table(results: dict, args) -> str:
         out.append(f"hybridlm / PEFT, loss tokens/s: {ratio:.2f}x (target >= 1.3x); hybridlm peak "
                    f"{results['hybridlm']['peak_memory_gib']:.1f} GiB (target <= 20 for llama2-7b)")
     return "\n".join(out)
+
+
+def peft_recompute(args) -> str:
+    return "gradient checkpointing" if args.peft_recompute else "no gradient checkpointing"
 
 
 def speedup(results: dict):
@@ -169,8 +176,8 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
         figures = token_figures(r)
         if stage == "hybridlm" and speedup(results) is not None:
             figures["hybridlm/PEFT"] = f"{speedup(results):.2f}x"
-        label = describe(args) + (f", {args.hybridlm_flags}" if stage == "hybridlm" and args.hybridlm_flags else
-                                  ", PEFT + bitsandbytes, TRL SFTTrainer, gradient checkpointing" if stage == "peft" else "")
+        label = describe(args) + (f", {args.hybridlm_flags or 'no recompute'}" if stage == "hybridlm" else
+                                  f", PEFT + bitsandbytes, TRL SFTTrainer, {peft_recompute(args)}")
         record = script_record("python benchmarks/qlora_throughput.py", argv, label, {k: v for k, v in figures.items() if v},
                                system=system)
         if not r:
@@ -191,6 +198,8 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--samples", type=int, default=400, help="conversations in the SFT data")
     parser.add_argument("--hybridlm-flags", default=RECOMPUTE, help=f"more hybridlm flags, given with '=' (default {RECOMPUTE!r})")
+    parser.add_argument("--peft-recompute", action=argparse.BooleanOptionalAction, default=True,
+                        help="PEFT's gradient checkpointing of every layer (its QLoRA recipe; default on)")
     parser.add_argument("--only", default=",".join(STAGES), help=f"comma list of {', '.join(STAGES)}")
     parser.add_argument("--record-file", default=None, help="append one JSON record per run (the benchmark suite's)")
     parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)

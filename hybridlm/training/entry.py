@@ -34,5 +34,26 @@ def main(argv: Optional[list[str]] = None, parse: Callable[[Optional[list[str]]]
     if sentence is not None:
         print(f"error: {sentence}", flush=True, file=sys.stderr)
         return 2
-    from .trainer import main as train_main
-    return train_main(argv, parse)
+    return _import_trainer()(argv, parse)
+
+
+def _import_trainer() -> Callable:
+    """``trainer.main``, imported with Python's cyclic collector paused, and all the import made then frozen.
+
+    Why: importing torch, DeepSpeed and torch's compiler (which every torch optimizer's constructor imports) makes about
+    650,000 objects, and the collector walked all of them again at each of its full collections while they were made
+    and through the run: about 1 s of a rank's 5 s of imports on a small CPU machine, and pauses of a long GPU run
+    (Megatron-LM's --manual-gc exists for those). Module-level objects never become garbage, so ``gc.freeze`` takes
+    them out of every later collection; what the run itself makes is collected as before."""
+    import gc
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        import torch._dynamo  # noqa: F401  (torch.optim.Optimizer.__init__ imports it: here, inside the pause)
+
+        from .trainer import main
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()
+    return main
