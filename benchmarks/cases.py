@@ -295,6 +295,14 @@ CASES = (
          script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench",
                  "--hybridlm-flags=", "--no-peft-recompute"),
          expected_s=480, timeout_s=590, needs=("bnb", "peft", "trl")),
+    # each side at its fastest on a card that holds every activation: hybridlm compiled (its README setting for 48 GiB and up)
+    Case("7b-qlora-peft-compiled", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
+         "quantization, packed rows of 4096, mb 1, gbs 8, no recompute on either side, hybridlm --torch-compile; PEFT + "
+         "bitsandbytes (TRL SFTTrainer, no gradient checkpointing) beside it", gpus=1,
+         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
+         script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench",
+                 "--hybridlm-flags=--torch-compile", "--no-peft-recompute"),
+         expected_s=300, timeout_s=590, needs=("bnb", "peft", "trl")),
     Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "
          "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,
          flags=("--bf16", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json", "--recompute-granularity", "full") + SFT_ROWS,

@@ -109,7 +109,7 @@ _CATEGORIES = (  # first match wins; names of CUDA kernels as the profiler recor
     ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv", re.I)),
     ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|wgmma|matmul", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb(?!da)", re.I)),  # not the "lambda" in elementwise kernels
 )
 
 
