@@ -35,8 +35,8 @@ How the micro-batch norms are read inside DeepSpeed's engine: a tensor hook on e
 autograd adds it into ``.grad``, hence before DeepSpeed's own hooks, which are post-accumulate ones (ZeRO
 1/2 copy the gradient into their buckets and reduce them, ZeRO-3 reduce-scatters and frees it, ZeRO-0
 all-reduces at the step's end). So it sees one rank's gradient of one micro-batch, before any reduction,
-under every ZeRO stage and in the pipeline engine alike, and adds its squared norm (fp32) to a device
-scalar without a host sync. The alternatives were worse: the difference of the accumulated ``.grad``
+under every ZeRO stage and in the pipeline engine alike, and keeps its norm (fp32, on the device: no host
+sync; one kernel a parameter a micro-batch), squared and summed at the step's end. The alternatives were worse: the difference of the accumulated ``.grad``
 between micro-batches needs a copy of the whole gradient and does not exist under ZeRO-2/3 (which reduce
 and free ``.grad`` after each micro-batch); a replica's gradient (all its micro-batches) would have to be
 read inside DeepSpeed's reduction, which ZeRO-2/3 run bucket by bucket during backward. Micro-batches
@@ -157,20 +157,29 @@ class GradNoiseScale:
         self.small_batches = global_batch_size // micro_batch_size
         self.accumulation = accumulation_steps
         self.ema = SmoothedNoiseScale(micro_batch_size, global_batch_size, device=device)
-        self._step_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.device = device
+        # this step's norms, one per parameter per micro-batch, squared and summed at its end: a hook that added each
+        # squared norm into one scalar launched three kernels (norm, square, add) per parameter per micro-batch, which
+        # cost the reference model about 1% of its step on an H200 (monitor-overhead); this is one
+        self._norms: list[torch.Tensor] = []
         self._handles = [p.register_hook(self._add) for p in counted_parameters(module, tp_rank)]
 
     def _add(self, grad: torch.Tensor) -> None:
-        self._step_sum += torch.linalg.vector_norm(grad, dtype=torch.float32).square().to(self._step_sum.device)
+        self._norms.append(torch.linalg.vector_norm(grad, dtype=torch.float32))
+
+    def _step_sum(self) -> torch.Tensor:
+        if not self._norms:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        return torch.stack([n.to(self.device) for n in self._norms]).double().square().sum()
 
     def end_step(self, engine, loss_scale: float) -> None:
         """After the engine's step: smooth this step's sums in if the step applied (a skipped step's gradients are not finite)."""
         norm = engine.get_global_grad_norm()
         if engine.was_step_applied() and norm is not None:
-            big_sq = torch.as_tensor(norm, dtype=torch.float64).to(self._step_sum.device).square()
+            big_sq = torch.as_tensor(norm, dtype=torch.float64).to(self.device).square()
             mean_share = self.accumulation ** 2 / (self.small_batches * loss_scale ** 2)  # this rank's part of the mean
-            self.ema.update(self._step_sum.double() * mean_share, big_sq)
-        self._step_sum.zero_()
+            self.ema.update(self._step_sum() * mean_share, big_sq)
+        self._norms.clear()
 
     def value(self) -> Optional[float]:
         """B_simple over the whole world; collective (one scalar all-reduce)."""
