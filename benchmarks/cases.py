@@ -87,6 +87,17 @@ PLAN = ("--fused-ops", "none", "--bf16", "--train-iters", "3", "--log-interval",
 PLAN_FIGURES = ("measured GiB", "planner GiB", "planner vs measured")
 
 
+def _qlora_beside_peft(name: str, setting: str, *options: str, expected_s: int = 480) -> Case:
+    """QLoRA SFT beside PEFT + bitsandbytes through TRL's SFTTrainer on the same packed chat data
+    (benchmarks/qlora_throughput.py: a random llama2-7b-shaped Hugging Face model and its import, made once
+    in the work directory, ~27 GB of disk); ``options``: the script's, for what each side recomputes."""
+    return Case(name, "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double quantization, "
+                f"packed rows of 4096, mb 1, gbs 8, {setting}; PEFT + bitsandbytes (TRL SFTTrainer) beside it", gpus=1,
+                figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
+                script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench",
+                        *options), expected_s=expected_s, timeout_s=590, needs=("bnb", "peft", "trl"))
+
+
 def _long(name: str, seq: int, cp: int = 1, comm: str = "p2p", probe: bool = False, mlp_recompute: bool = False, **kw) -> Case:
     """The reference at ``seq`` tokens per sample, on one GPU or with CP over ``cp`` GPUs; a ``probe``
     only asks whether that length trains (two timed steps); ``mlp_recompute`` rebuilds the MLP
@@ -282,27 +293,12 @@ CASES = (
          expected_s=300, timeout_s=560, needs=("bnb",)),
     # the same QLoRA beside PEFT + bitsandbytes through TRL's SFTTrainer on the same packed chat data (a random llama2-7b-shaped
     # Hugging Face model and its import, made once in the work directory: ~27 GB of disk)
-    Case("7b-qlora-peft", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
-         "quantization, packed rows of 4096, mb 1, gbs 8; PEFT + bitsandbytes (TRL SFTTrainer) beside it", gpus=1,
-         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
-         script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench"),
-         expected_s=480, timeout_s=590, needs=("bnb", "peft", "trl")),
+    _qlora_beside_peft("7b-qlora-peft", "every layer recomputed on both sides (PEFT: gradient checkpointing)"),
     # the same pair where the card holds every activation (an 80 GiB one): neither side recomputes
-    Case("7b-qlora-peft-norecompute", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
-         "quantization, packed rows of 4096, mb 1, gbs 8, no recompute on either side; PEFT + bitsandbytes (TRL SFTTrainer, "
-         "no gradient checkpointing) beside it", gpus=1,
-         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
-         script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench",
-                 "--hybridlm-flags=", "--no-peft-recompute"),
-         expected_s=480, timeout_s=590, needs=("bnb", "peft", "trl")),
-    # each side at its fastest on a card that holds every activation: hybridlm compiled (its README setting for 48 GiB and up)
-    Case("7b-qlora-peft-compiled", "post-training", "QLoRA SFT, llama2-7b shape, R 16 alpha 32 all linears, NF4 + double "
-         "quantization, packed rows of 4096, mb 1, gbs 8, no recompute on either side, hybridlm --torch-compile; PEFT + "
-         "bitsandbytes (TRL SFTTrainer, no gradient checkpointing) beside it", gpus=1,
-         figures=("loss tokens/s", "positions/s", "peak GiB", "hybridlm/PEFT"), launcher="python",
-         script=("benchmarks/qlora_throughput.py", "--out", "/tmp/qlorabench-out", "--workdir", "/tmp/qlorabench",
-                 "--hybridlm-flags=--torch-compile", "--no-peft-recompute"),
-         expected_s=300, timeout_s=590, needs=("bnb", "peft", "trl")),
+    _qlora_beside_peft("7b-qlora-peft-norecompute", "no recompute on either side", "--hybridlm-flags=", "--no-peft-recompute"),
+    # each side at its fastest there: hybridlm compiled (its README setting for 48 GiB and up)
+    _qlora_beside_peft("7b-qlora-peft-compiled", "no recompute on either side, hybridlm --torch-compile",
+                       "--hybridlm-flags=--torch-compile", "--no-peft-recompute", expected_s=300),
     Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "
          "recompute, bf16, seq 4096, mb 1, gbs 8", model="llama2-7b", steps=3, warmup=1,
          flags=("--bf16", "--deepspeed_config", "ds_configs/zero3_offload_cpu.json", "--recompute-granularity", "full") + SFT_ROWS,
