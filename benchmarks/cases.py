@@ -291,8 +291,6 @@ CASES = (
          steps=2, warmup=1, flags=BF16 + QLORA + ("--recompute-granularity", "full", "--seq-length", "4096",
                                                  "--micro-batch-size", "1", "--global-batch-size", "1"),
          expected_s=300, timeout_s=560, needs=("bnb",)),
-    # the same QLoRA beside PEFT + bitsandbytes through TRL's SFTTrainer on the same packed chat data (a random llama2-7b-shaped
-    # Hugging Face model and its import, made once in the work directory: ~27 GB of disk)
     _qlora_beside_peft("7b-qlora-peft", "every layer recomputed on both sides (PEFT: gradient checkpointing)"),
     # the same pair where the card holds every activation (an 80 GiB one): neither side recomputes
     _qlora_beside_peft("7b-qlora-peft-norecompute", "no recompute on either side", "--hybridlm-flags=", "--no-peft-recompute"),

@@ -141,7 +141,7 @@ def table(results: dict, args) -> str:
     out = [f"QLoRA, {describe(args)}, {device}, {time.strftime('%Y-%m-%d')}",
            "| run | loss tokens/s | positions/s | peak GiB | note |", "|---|---|---|---|---|"]
     notes = {"hybridlm": f"hybridlm --quant-bits 4 {args.hybridlm_flags or '(no recompute)'}",
-             "peft": "PEFT {peft} + bitsandbytes {bitsandbytes}, TRL {trl} SFTTrainer, " + peft_recompute(args) + ", {attn_implementation}"}
+             "peft": "PEFT {peft} + bitsandbytes {bitsandbytes}, TRL {trl} SFTTrainer, " + peft_checkpointing_words(args) + ", {attn_implementation}"}
     for stage in STAGES:
         r = results.get(stage) or {}
         note = notes[stage].format(**{k: r.get(k, "?") for k in ("peft", "bitsandbytes", "trl", "attn_implementation")})
@@ -155,7 +155,7 @@ def table(results: dict, args) -> str:
     return "\n".join(out)
 
 
-def peft_recompute(args) -> str:
+def peft_checkpointing_words(args) -> str:
     return "gradient checkpointing" if args.peft_recompute else "no gradient checkpointing"
 
 
@@ -177,7 +177,7 @@ def records_of(results: dict, args, argv: list[str]) -> list[dict]:
         if stage == "hybridlm" and speedup(results) is not None:
             figures["hybridlm/PEFT"] = f"{speedup(results):.2f}x"
         label = describe(args) + (f", {args.hybridlm_flags or 'no recompute'}" if stage == "hybridlm" else
-                                  f", PEFT + bitsandbytes, TRL SFTTrainer, {peft_recompute(args)}")
+                                  f", PEFT + bitsandbytes, TRL SFTTrainer, {peft_checkpointing_words(args)}")
         record = script_record("python benchmarks/qlora_throughput.py", argv, label, {k: v for k, v in figures.items() if v},
                                system=system)
         if not r:

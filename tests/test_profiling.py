@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hybridlm.config import ConfigError
 from hybridlm.training.profiling import StepProfiler
+
+CPU, CUDA = "CPU", "CUDA"
+
+
+def event(name: str, start: float, end: float, device: str = CUDA) -> SimpleNamespace:
+    """What summarize reads of a profiler event: a kernel (CUDA) or a step marker (CPU), in microseconds."""
+    return SimpleNamespace(name=name, device_type=SimpleNamespace(name=device), time_range=SimpleNamespace(start=start, end=end))
 
 
 def _train(profiler: StepProfiler, iterations: int) -> list[str]:
@@ -78,16 +86,10 @@ def test_good_range_parses_to_a_pair():
 
 
 def test_summary_splits_step_time_into_kernel_kinds_exposed_communication_and_idle_time():
-    from types import SimpleNamespace as NS
-
-    from torch.autograd import DeviceType
-
     from hybridlm.training.profiling import summarize
 
-    def event(name, start, end, device=DeviceType.CUDA):
-        return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
     # one 100 us step: gemm 0-40, nccl 30-60 (10 overlapped, 20 exposed), adam 70-80, idle 60-70 and 80-100
-    events = [event("ProfilerStep#5", 0, 100, DeviceType.CPU), event("sm90_xmma_gemm_bf16", 0, 40),
+    events = [event("ProfilerStep#5", 0, 100, CPU), event("sm90_xmma_gemm_bf16", 0, 40),
               event("ncclDevKernel_AllReduce_Sum", 30, 60), event("multi_tensor_apply_kernel<AdamFunctor>", 70, 80)]
     summary = summarize(events)
     ms = 1e-3
@@ -99,37 +101,25 @@ def test_summary_splits_step_time_into_kernel_kinds_exposed_communication_and_id
     assert summary["idle GPU ms"] == pytest.approx(30 * ms)
     assert summary["top kernels"] == [("sm90_xmma_gemm_bf16", pytest.approx(40 * ms)), ("ncclDevKernel_AllReduce_Sum", pytest.approx(30 * ms)),
                                       ("multi_tensor_apply_kernel", pytest.approx(10 * ms))]
-    assert summarize([event("ProfilerStep#1", 0, 10, DeviceType.CPU)]) == {}  # a CPU run has no kernels
+    assert summarize([event("ProfilerStep#1", 0, 10, CPU)]) == {}  # a CPU run has no kernels
 
 
 def test_an_elementwise_kernel_is_no_optimizer_kernel_for_the_lambda_in_its_name():
     # PyTorch's elementwise kernels are named after the lambda they run: "lamb" (the LAMB optimizer) once counted them all
     # as optimizer time (542 of a 7B QLoRA step's 3,670 ms on an H200, where the optimizer takes about 1 ms)
-    from types import SimpleNamespace as NS
-
-    from torch.autograd import DeviceType
-
     from hybridlm.training.profiling import summarize
     mul = ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<"
            "c10::BFloat16, c10::BFloat16, c10::BFloat16, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, "
            "at::native::BinaryFunctor<c10::BFloat16, c10::BFloat16, c10::BFloat16> const&)::{lambda(int)#1}>(int, {lambda(int)#1})")
-    events = [NS(name="ProfilerStep#2", device_type=DeviceType.CPU, time_range=NS(start=0, end=100)),
-              NS(name=mul, device_type=DeviceType.CUDA, time_range=NS(start=0, end=50)),
-              NS(name="multi_tensor_apply_kernel<FusedAdamMathFunctor>", device_type=DeviceType.CUDA, time_range=NS(start=60, end=70))]
+    events = [event("ProfilerStep#2", 0, 100, CPU), event(mul, 0, 50), event("multi_tensor_apply_kernel<FusedAdamMathFunctor>", 60, 70)]
     summary = summarize(events)
     assert summary["other kernels ms"] == pytest.approx(50e-3) and summary["optimizer ms"] == pytest.approx(10e-3)
 
 
 def test_heaviest_kernels_add_up_the_launches_of_one_kernel_whatever_its_template_arguments():
-    from types import SimpleNamespace as NS
-
-    from torch.autograd import DeviceType
-
     from hybridlm.training.profiling import format_summary, summarize
 
-    def event(name, start, end, device=DeviceType.CUDA):
-        return NS(name=name, device_type=device, time_range=NS(start=start, end=end))
-    events = [event("ProfilerStep#1", 0, 100, DeviceType.CPU),
+    events = [event("ProfilerStep#1", 0, 100, CPU),
               event("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, float)", 0, 10),
               event("void at::native::vectorized_elementwise_kernel<2, at::native::FillFunctor<c10::BFloat16>>(int)", 10, 30),
               event("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>(int)", 30, 32),

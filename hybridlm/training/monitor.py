@@ -36,9 +36,9 @@ autograd adds it into ``.grad``, hence before DeepSpeed's own hooks, which are p
 1/2 copy the gradient into their buckets and reduce them, ZeRO-3 reduce-scatters and frees it, ZeRO-0
 all-reduces at the step's end). So it sees one rank's gradient of one micro-batch, before any reduction,
 under every ZeRO stage and in the pipeline engine alike, and keeps its norm (fp32, on the device: no host
-sync; one kernel a parameter a micro-batch), squared and summed at the step's end. The alternatives were worse: the difference of the accumulated ``.grad``
-between micro-batches needs a copy of the whole gradient and does not exist under ZeRO-2/3 (which reduce
-and free ``.grad`` after each micro-batch); a replica's gradient (all its micro-batches) would have to be
+sync; one kernel a parameter a micro-batch), squared and summed at the step's end. The alternatives were
+worse: the difference of the accumulated ``.grad`` between micro-batches needs a copy of the whole gradient
+and does not exist under ZeRO-2/3 (which reduce and free ``.grad`` after each micro-batch); a replica's gradient (all its micro-batches) would have to be
 read inside DeepSpeed's reduction, which ZeRO-2/3 run bucket by bucket during backward. Micro-batches
 also give K small batches a step instead of DP, and work on one GPU with accumulation.
 
