@@ -71,10 +71,15 @@ FP8 = BF16 + ("--transformer-impl", "transformer_engine", "--fp8-format", "hybri
               "--fp8-amax-compute-algo", "max", "--torch-compile",
               "--global-batch-size", "64", "--attention-backend", "cudnn")
 L_FP8 = "1 GPU, ZeRO-1, gbs 64, TE FP8 hybrid delayed, --torch-compile, cuDNN attention"
-MIXTRAL_2L = ("--num-layers", "2", "--global-batch-size", "16") + BF16
+# MoE speed cases route by random logits (Megatron-LM's benchmark flag, passed to its peer too): at the default
+# learning rate with no warm-up the router collapsed onto two experts within four steps (1 x H200, 2026-12-02:
+# [65536 65536 0 0 0 0 0 0] tokens per expert), so the cases timed two large GEMMs, not a trained model's eight
+BALANCED = ("--moe-router-force-load-balancing",)
+L_BALANCED = "random balanced routing"
+MIXTRAL_2L = ("--num-layers", "2", "--global-batch-size", "16") + BF16 + BALANCED
 # as many of Mixtral-8x7B's 32 layers as one H200 holds at EP=1 (scripts/plan.py: 128.4 of 141 GiB at ZeRO-1)
-MIXTRAL_4L = ("--num-layers", "4", "--global-batch-size", "8") + BF16
-L_MIXTRAL_4L = "Mixtral-8x7B shape, 4 of 32 layers, 1 H200, EP=1, gbs 8, ZeRO-1"
+MIXTRAL_4L = ("--num-layers", "4", "--global-batch-size", "8") + BF16 + BALANCED
+L_MIXTRAL_4L = f"Mixtral-8x7B shape, 4 of 32 layers, 1 H200, EP=1, gbs 8, ZeRO-1, {L_BALANCED}"
 SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
 # one sample per step, full recompute: the longest sequences; a case past the memory is a failed record
 LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
@@ -183,8 +188,12 @@ CASES = (
     _long("ref-cp4-seq512k", 524288, cp=4, probe=True),  # planned 40.3 GiB a GPU
     _long("ref-cp4-seq1m", 1048576, cp=4, probe=True),  # planned 74.3 GiB a GPU: H200s, the edge of H100s
     # MoE
-    Case("moe-1gpu", "moe", "Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
+    Case("moe-1gpu", "moe", f"Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, gbs 16, ZeRO-1, bf16, {L_BALANCED}", model="mixtral-8x7b",
          flags=MIXTRAL_2L, peers=("megatron-lm",), timeout_s=300),
+    # hybridlm's one-GPU recommendation for the layer (issue 45's MFU goal): compiled, two sequences a micro-batch
+    Case("moe-1gpu-compiled", "moe", f"Mixtral-8x7B shape, 2 of 32 layers, 1 GPU, mb 2, gbs 16, ZeRO-1, bf16, "
+         f"--torch-compile, {L_BALANCED}", model="mixtral-8x7b", flags=MIXTRAL_2L + ("--torch-compile", "--micro-batch-size", "2"),
+         peers=("megatron-lm",), timeout_s=300),
     Case("moe-4l-bf16", "moe", f"{L_MIXTRAL_4L}, bf16", model="mixtral-8x7b", flags=MIXTRAL_4L, steps=10, warmup=4,
          peers=("megatron-lm",), expected_s=240, timeout_s=300),
     Case("moe-4l-fp8", "moe", f"{L_MIXTRAL_4L}, TE FP8 hybrid (the experts' grouped GEMMs in bf16)", model="mixtral-8x7b",
@@ -193,13 +202,13 @@ CASES = (
     Case("moe-4l-finegrained", "moe", f"{L_MIXTRAL_4L.replace('Mixtral-8x7B shape', 'Mixtral-8x7B attention, 64 experts of width 1792 top-8')}, bf16",
          model="mixtral-8x7b", flags=MIXTRAL_4L + ("--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "1792"),
          steps=10, warmup=4, peers=("megatron-lm",), expected_s=240, timeout_s=300),
-    Case("mixtral-ep2", "moe", "EP=2, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16", model="mixtral-8x7b",
+    Case("mixtral-ep2", "moe", f"EP=2, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16, {L_BALANCED}", model="mixtral-8x7b",
          gpus=2, flags=MIXTRAL_2L + ("--expert-model-parallel-size", "2"), peers=("megatron-lm",)),
-    Case("moe-ep4-8gpu", "moe", "Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), EP=4 x DP=8, ZeRO-1, bf16, gbs 64",
+    Case("moe-ep4-8gpu", "moe", f"Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), EP=4 x DP=8, ZeRO-1, bf16, gbs 64, {L_BALANCED}",
          gpus=8, steps=10, warmup=4, flags=("--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
          "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "3584", "--num-experts", "8", "--moe-router-topk", "2",
          "--moe-aux-loss-coeff", "0.02", "--micro-batch-size", "2", "--expert-model-parallel-size", "4",
-         "--global-batch-size", "64") + BF16, peers=("megatron-lm",)),
+         "--global-batch-size", "64") + BF16 + BALANCED, peers=("megatron-lm",)),
     _curve("curve-moe-4gpu", "moe", "Mixtral-style d768 L8 (240M), 200 steps at EP=2 x DP=2, EP=2 x CP=2, EP=4 and EP=2 x TP=2 SP "
            "against 1 GPU, beside one GPU with micro-batches of 1", gpus=4, layouts=("1gpu-mb1", "ep2-dp2", "ep2-cp2", "ep4", "ep2-tp2-sp"),
            expected_s=480),

@@ -132,6 +132,7 @@ def megatron_args(run, *, iters: int) -> list[str]:
                         ("--expert-model-parallel-size", p.expert_model_parallel_size),
                         ("--moe-router-load-balancing-type", "aux_loss"), ("--moe-token-dispatcher-type", "alltoall")])
         args += ["--moe-grouped-gemm"] if m.moe_grouped_gemm else []
+        args += ["--moe-router-force-load-balancing"] if m.moe_router_force_load_balancing else []
         if m.moe_shared_expert_intermediate_size:
             args += ["--moe-shared-expert-intermediate-size", str(m.moe_shared_expert_intermediate_size)]
     if m.fp8_format:

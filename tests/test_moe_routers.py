@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from oracle import assert_matches
 from hybridlm.presets import LLAMA_BLOCK_SETTINGS
-from test_moe import EP2, PP2, TP2, parallel, reference
+from test_moe import EP2, PP2, RECOMPUTE_MOE, TP2, _tiny_layer, parallel, reference
 
 SP = ["--sequence-parallel"]
 
@@ -209,3 +209,31 @@ def test_full_recompute_under_ep2_pp2_routes_counts_and_balances_once_per_micro_
     single, split = reference(variant), parallel(4, EP2 + PP2 + ["--recompute-granularity", "full"], "zero1", variant)
     assert [m["layers"]["0"]["tokens_per_expert"] for m in split["moe"]] == [m["layers"]["0"]["tokens_per_expert"] for m in single["moe"]]
     assert_matches(single, split)
+
+
+# ---------------------------------------------------------------- --moe-router-force-load-balancing (benchmarks)
+
+FORCED = ("--moe-router-force-load-balancing",)
+
+
+def test_forced_load_balancing_routes_evenly_whatever_the_router_prefers_and_trains_it_straight_through():
+    x = torch.rand(400, 2, 16, generator=torch.Generator().manual_seed(0)) + 0.5
+    loads = {}
+    for forced in (False, True):
+        layer = _tiny_layer(moe_router_force_load_balancing=forced)
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[0] = 5.0  # expert 0 has every token's largest logit; expert 1..3 tie
+        layer(x).sum().backward()
+        loads[forced] = layer.stats.pop("cpu")[:4]
+        assert torch.isfinite(layer.router.weight.grad).all() and layer.router.weight.grad.abs().sum() > 0
+    assert loads[False][0] == 800, "the test's router sends all 800 tokens to expert 0"
+    assert loads[True].sum() == 1600 and loads[True].max() / loads[True].mean() < 1.1, loads[True]
+
+
+def test_forced_load_balancing_draws_the_same_logits_when_recomputed_and_on_every_tp_rank():
+    # The draws come from the default stream, which DeepSpeed's checkpoint restores for the recompute and which is
+    # seeded alike on the TP ranks (without SP every TP rank routes the whole micro-batch and must agree).
+    single = reference(FORCED)
+    assert_matches(single, parallel(1, RECOMPUTE_MOE, "zero0", FORCED))
+    assert_matches(single, parallel(2, TP2, "zero1", FORCED))

@@ -88,6 +88,9 @@ class RunConfig:
                               f"(world {world_size} / (TP x PP) = {p.data_parallel_size * cp}); EP is carved out of DP x CP.")
         if m.num_experts is not None:
             self._check_moe_layout(tp, ep)
+            if m.moe_router_force_load_balancing:
+                self.notes.append("--moe-router-force-load-balancing: every MoE layer routes by random logits, as Megatron-LM's "
+                                  "benchmark setting does; the loads are even, and the router never learns to route.")
         if p.sequence_parallel and tp == 1:  # nothing to shard over: Megatron-LM warns and turns it off, as here
             p.sequence_parallel = False
             self.notes.append("--sequence-parallel is off: it shards activations over the TP ranks, and "

@@ -14,7 +14,8 @@ One micro-batch on one rank:
      function and top-k of ``moe_routing.route`` (softmax over the chosen k as Mixtral by
      default; pre-softmax, sigmoid, groups, expert bias, scaling as Megatron's flags say);
      the balancing loss and z-loss over the micro-batch's tokens (its whole sequences: summed
-     over TP under SP and over CP, whose ranks hold the other slices);
+     over TP under SP and over CP, whose ranks hold the other slices); a benchmark's
+     --moe-router-force-load-balancing routes by random logits instead (``_RandomLogits``);
   2. expert choices and routing weights gathered over TP under SP, tokens entering the TP
      region as the dense MLP's input does (all-gather under SP, else an identity whose
      backward sums over TP), so every TP rank holds the micro-batch's assignments;
@@ -51,6 +52,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from .context import sum_over_context_parallel
+from .random import RandomStreams
 from .moe_dispatch import exchange, expert_matmul, permute, unpermute
 from .moe_routing import (RouterOptions, expert_counts, keep_mask, route, scores_for_aux_loss, switch_loss,
                           updated_expert_bias)
@@ -108,6 +110,21 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+class _RandomLogits(torch.autograd.Function):
+    """--moe-router-force-load-balancing: standard normal logits in place of the router's, whose gradient passes
+    straight through (Megatron-core's ``RandomSTE``). Drawn from the stream of the activations' region (the default
+    generator, the same on every TP rank; the TP stream under SP, whose ranks route their own slices): DeepSpeed's
+    checkpoint restores both, so a recomputed layer routes as its first forward did."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 def _recomputing() -> bool:
@@ -196,6 +213,7 @@ class MoELayer(nn.Module):
         self.balancing = cfg.moe_router_load_balancing_type if cfg.moe_aux_loss_coeff else "none"
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
         self.swiglu, self.grouped = cfg.swiglu, cfg.moe_grouped_gemm
+        self.random_routing = RandomStreams(tp, self.sequence_parallel) if cfg.moe_router_force_load_balancing else None
         self.router = Router(hidden, experts, tp, self.sequence_parallel, init_std=cfg.init_method_std,
                              expert_bias=cfg.moe_router_enable_expert_bias, device=device, dtype=dtype)
         blocks = (ffn, ffn) if cfg.swiglu else (ffn,)  # SwiGLU: [gate; up] in one matrix, each half split over TP
@@ -240,6 +258,9 @@ class MoELayer(nn.Module):
         with_losses = self.training and torch.is_grad_enabled()  # the pass whose backward runs (a recompute's, if any)
         with record_function("hybridlm.moe.route"):  # names in a --profile-step-range trace
             logits = self.router(x).view(-1, self.num_experts)
+            if self.random_routing is not None:
+                with self.random_routing.region():
+                    logits = _RandomLogits.apply(logits)
             weights, index = route(logits, self.options, self.router.expert_bias)
             if with_losses:
                 aux, z = self._balance_loss(logits, s, b), self._z_loss(logits)
