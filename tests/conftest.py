@@ -11,6 +11,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # Inductor compiles a graph's kernels in one process instead of starting a pool of compile workers first: on a
 # two-core machine the pool's start-up cost more than it saved (~8 s over the suite's cold compiles).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Inductor takes the SIMD instruction sets the CPU reports instead of first compiling and running a probe program for
+# each (AVX2, AVX-512, its BF16 and VNNI parts, AMX: 11 builds, ~20 s of a cold cache's CPU before the first kernel);
+# it then picks the same set, the best one the CPU has. The kernels are vectorised as users' are.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # One cache of JIT-built ops (DeepSpeed's NVMe ops, the project's fused CPU op) per checkout, in its git-ignored .cache/:
 # a cache shared by every checkout on the machine let one venv's build overwrite another's, and a build killed in one
 # checkout left torch's lock file and an empty library that hung, then failed, the next checkout's suite.

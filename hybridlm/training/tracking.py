@@ -15,6 +15,7 @@ process group exists.
 """
 from __future__ import annotations
 
+import importlib.util
 import numbers
 import os
 from typing import Any, Iterable, Optional
@@ -84,16 +85,15 @@ def check_backends(*, wandb_project: Optional[str], tensorboard_dir: Optional[st
 
     ``build_trackers`` runs on rank 0 after the process group exists, where an error would
     leave the other ranks waiting in a collective; call this on every rank during config
-    validation so a missing package ends the job in one sentence everywhere.
+    validation so a missing package ends the job in one sentence everywhere. It asks whether
+    the package is installed without importing it: only rank 0 logs, and importing wandb cost
+    every other rank about a second of CPU at start-up for nothing (a tiny 4-rank CPU job).
     """
     for flag, value, package in (("--wandb-project", wandb_project, "wandb"),
                                  ("--tensorboard-dir", tensorboard_dir, "tensorboard")):
-        if value:
-            try:
-                __import__(package)
-            except ImportError:
-                raise ConfigError(f"{flag} {value} needs the {package} package; "
-                                  f"pip install {package}, or omit {flag}.") from None
+        if value and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{flag} {value} needs the {package} package; "
+                              f"pip install {package}, or omit {flag}.")
 
 
 def build_trackers(*, rank: int, wandb_project: Optional[str], wandb_name: Optional[str],
