@@ -103,15 +103,15 @@ def test_every_rank_of_a_refused_launch_refuses_before_importing_torch():
 
 
 def test_the_readme_command_trains_the_builtin_model_and_its_loss_falls_well_below_chance(tmp_path):
-    # The README's command (plus a metrics file to read the losses back), cut from the default 300 steps to 150: the
-    # launcher, the built-in model, corpus and schedule are the default run's; half its steps (~20 s of CPU) show the
-    # same thing. Chance on the built-in byte vocabulary is ln(256) = 5.55 nats; 150 steps reach ~2.3.
-    result = _launch(["scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero1.json", "--train-iters", "150",
+    # The README's command (plus a metrics file to read the losses back), cut from the default 300 steps to 60: the
+    # launcher, the built-in model, corpus and schedule are the default run's (each step ~0.2 s of CPU). Chance on the
+    # built-in byte vocabulary is ln(256) = 5.55 nats; the logged losses of 60 steps fall 3.6, 3.2, 3.1, 2.7, 3.0, 2.7.
+    result = _launch(["scripts/pretrain.py", "--deepspeed_config", "ds_configs/zero1.json", "--train-iters", "60",
                       "--metrics-file", str(tmp_path / "m.jsonl")], timeout=420)
     assert result.returncode == 0, result.stderr[-3000:]
     losses = _losses(tmp_path / "m.jsonl")
-    assert len(losses) == 15, "the built-in run logs every 10 steps"
+    assert len(losses) == 6, "the built-in run logs every 10 steps"
     [setup] = [line for line in result.stdout.splitlines() if line.startswith("hybridlm: set-up ")]  # rank 0's, once
     assert " imports " in setup, setup  # the phases of the tiny model take under 0.05 s each and are left out
-    assert losses[-1] < min(losses[:-1]) + 0.2 and losses[-1] < 0.5 * math.log(256), \
+    assert losses[-1] < losses[0] - 0.5 and losses[-1] < 0.55 * math.log(256), \
         f"loss did not fall enough: {' '.join(f'{x:.3f}' for x in losses)}"

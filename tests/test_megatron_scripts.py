@@ -59,7 +59,7 @@ def test_mixtral_8x7b_script_trains_pp2_ep2_saves_and_resumes_without_optimizer_
                   FFN_HIDDEN_SIZE="128", NUM_ATTENTION_HEADS="4", NUM_QUERY_GROUPS="2", NUM_EXPERTS="4",
                   GLOBAL_BATCH_SIZE="8", LR_DECAY_ITERS="8", LR_WARMUP_ITERS="2", PIPELINE_MODEL_PARALLEL_SIZE="2",
                   EXPERT_MODEL_PARALLEL_SIZE="2", SAVE_INTERVAL="2", EVAL_INTERVAL="2", EVAL_ITERS="1", SPLIT="90,8,2",
-                  WANDB_API_KEY="offline", WANDB_MODE="offline")
+                  WANDB_API_KEY="offline", WANDB_MODE="disabled")  # the script's wandb flags, as written; not its service
     args = ["ckpt", tokenizer, "processed_data_text_document"]
     first = _launch("train_mixtral_8x7b_distributed.sh", args, tmp_path, {**shrunk, "TRAIN_ITERS": "2"})
     assert _iterations(first) == [1, 2] and "validation loss" in first
