@@ -52,10 +52,10 @@ from torch import nn
 from torch.profiler import record_function
 
 from .context import sum_over_context_parallel
-from .random import RandomStreams
 from .moe_dispatch import exchange, expert_matmul, permute, unpermute
 from .moe_routing import (RouterOptions, expert_counts, keep_mask, route, scores_for_aux_loss, switch_loss,
                           updated_expert_bias)
+from .random import RandomStreams
 from .sequence import all_gather_dim0, gather_from_sequence, reduce_scatter_to_sequence, sum_grad_over_tp
 from .state import SINGLE, GroupHandle
 from .tensor_parallel import Sharding, copy_to_tensor_parallel, reduce_from_tensor_parallel, scaled_init_std, tag_parameter
