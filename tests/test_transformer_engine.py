@@ -115,3 +115,67 @@ def test_te_norm_mlp_block_computes_the_pytorch_block_on_our_parameters(normaliz
     for name, g, w in zip(["x", "fc1", "fc2", "norm weight", "norm bias"], got_grads, want_grads):
         error = (g.float() - w).norm() / w.norm()
         assert error < 2e-2, f"{name}: relative gradient error {error:.3g}"
+
+
+def _experts_reference(x, w1, w2, counts):
+    """The experts in fp32, one matmul per expert: SwiGLU between w1 ([gate; up]) and w2."""
+    out = []
+    for rows, a, b in zip(x.float().split(counts), w1.float(), w2.float()):
+        gate, up = (rows @ a.t()).chunk(2, dim=-1)
+        out.append((F.silu(gate) * up) @ b.t())
+    return torch.cat(out)
+
+
+def _swiglu(h):
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@needs_te
+def test_te_grouped_experts_compute_the_experts_in_fp8_on_our_stacked_parameters():
+    # Rows per expert that FP8's GEMMs cannot take as they come (not multiples of 16, one expert
+    # with none): the adapter pads each group and cuts the padding off again, forward and backward.
+    from transformer_engine.common import recipe
+
+    from hybridlm.model.transformer_engine import TEGroupedExperts, fp8_context
+    experts, hidden, ffn, counts = 4, 256, 384, [37, 0, 100, 119]
+    w1 = _bf16(experts, 2 * ffn, hidden, scale=0.05, seed=2)
+    w2 = _bf16(experts, hidden, ffn, scale=0.05, seed=3)
+    x = _bf16(sum(counts), hidden, seed=4).detach().requires_grad_()
+    want = _experts_reference(x, w1, w2, counts)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, w1, w2])
+    block = TEGroupedExperts(w1, w2, _swiglu)
+    with fp8_context(recipe.Float8CurrentScaling(fp8_format=recipe.Format.HYBRID)):
+        got = block(x, torch.tensor(counts, device="cuda"))
+    got_grads = torch.autograd.grad(got.float().square().sum(), [x, w1, w2])
+    assert block.fc1.module.fp8 and block.fc2.module.fp8, "the grouped GEMMs did not run in FP8"
+    assert not list(block.fc1.module.parameters()) and not list(block.fc2.module.parameters()), "TE holds weights of its own"
+    assert got.shape == want.shape
+    error = (got.float() - want).norm() / want.norm()
+    assert error < 0.08, f"output: relative error {error:.3g} to fp32"
+    for name, g, w in zip(["x", "w1", "w2"], got_grads, want_grads):
+        error = (g.float() - w).norm() / w.norm()
+        assert error < 0.15, f"{name}: relative gradient error {error:.3g} to fp32"
+    assert got_grads[1][1].abs().sum() == 0, "an expert with no rows got a gradient (the padding leaked into it)"
+
+
+@needs_te
+def test_te_grouped_experts_reuse_fp8_weights_within_a_step():
+    from transformer_engine.common import recipe
+
+    from hybridlm.model.transformer_engine import MicroBatchPhase, TEGroupedExperts, fp8_context
+    phase, counts = MicroBatchPhase(), torch.tensor([48, 16], device="cuda")
+    w1, w2 = _bf16(2, 256, 128, scale=0.05, seed=2), _bf16(2, 128, 128, scale=0.05, seed=3)
+    block = TEGroupedExperts(w1, w2, _swiglu, phase)
+    x = _bf16(64, 128, seed=4).detach()
+    with fp8_context(recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID)):
+        phase.first = True
+        first = block(x, counts)
+        with torch.no_grad():
+            w2.mul_(2)  # stands for an optimizer step that TE is not told about
+        phase.first = False
+        later = block(x, counts)
+        phase.first = None
+        fresh = block(x, counts)
+    assert torch.equal(later, first), "a later micro-batch re-cast the experts' weights instead of using the step's FP8 copy"
+    assert torch.allclose(fresh.float(), 2 * first.float(), rtol=0.15, atol=0.05), "without the mark the weights were not cast afresh"

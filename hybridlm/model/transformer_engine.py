@@ -99,6 +99,54 @@ class TELocalNormMLP(_TEModuleCall):
         self.module, self.phase = fused, phase or MicroBatchPhase()
 
 
+class TEGroupedMatmul(_TEModuleCall):
+    """Rows grouped by expert (``splits[e]`` rows each) times ``weight[e]^T`` through
+    ``transformer_engine.pytorch.GroupedLinear`` (one GEMM per expert, FP8 under autocast) on the
+    caller's stacked ``[experts, out, in]`` parameter.
+
+    TE keeps one parameter per expert; ours is one tensor (its EP/TP tags, ZeRO partitioning and
+    checkpoints are per matrix), so the TE module is built without weights and handed this call's
+    per-expert views of ours: their gradients flow back into the stacked parameter."""
+
+    def __init__(self, weight: nn.Parameter, phase: Optional[MicroBatchPhase] = None):
+        import transformer_engine.pytorch as te
+        experts, out_features, in_features = weight.shape
+        grouped = te.GroupedLinear(experts, in_features, out_features, bias=False, params_dtype=weight.dtype, device="meta")
+        for i in range(experts):  # no weights of its own (built on "meta": nothing was allocated)
+            delattr(grouped, f"weight{i}")
+            setattr(grouped, f"bias{i}", torch.empty(0, dtype=weight.dtype, device=weight.device))  # TE's "no bias"
+        self.module, self.weight, self.phase = grouped, weight, phase or MicroBatchPhase()
+
+    @torch._disable_dynamo
+    def __call__(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        for i, view in enumerate(self.weight.unbind(0)):  # TE reads weight0.. by attribute name at every call
+            self.module.__dict__[f"weight{i}"] = view
+        return self.module(x, splits, is_first_microbatch=self.phase.first)
+
+
+class TEGroupedExperts:
+    """An MoE layer's experts, ``w2 . act . w1`` on rows sorted by expert, through two
+    ``TEGroupedMatmul`` (Megatron-core's TEGroupedMLP): FP8 GEMMs under autocast, where torch's
+    grouped GEMM has only bf16. FP8 GEMMs want each expert's rows in multiples of 16 (32 for
+    MXFP8), so each group is padded with zero rows on the way in and cut back on the way out
+    (TE's ``Fp8Padding``); a zero row stays zero through SwiGLU and GELU and is dropped.
+
+    TE's grouped GEMM takes the rows per expert on the host: one synchronisation per layer and
+    micro-batch (EP already has one, for the all-to-all; Megatron-core's has the same)."""
+
+    def __init__(self, w1: nn.Parameter, w2: nn.Parameter, activation, phase: Optional[MicroBatchPhase] = None):
+        import transformer_engine.pytorch as te
+        phase = phase or MicroBatchPhase()
+        self.fc1, self.fc2 = TEGroupedMatmul(w1, phase), TEGroupedMatmul(w2, phase)
+        self.pad, self.unpad = te.Fp8Padding(w1.shape[0]), te.Fp8Unpadding(w1.shape[0])
+        self.activation = activation
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        splits = counts.tolist()
+        x, padded = self.pad(x, splits)
+        return self.unpad(self.fc2(self.activation(self.fc1(x, padded)), padded), splits)
+
+
 def te_modules_in(module: nn.Module) -> list[nn.Module]:
     """The TE modules that ``module``'s adapters call: off the module tree, ``modules()`` misses them.
     An adapter is an attribute of a submodule, or of a plain object held there (a fused norm + MLP

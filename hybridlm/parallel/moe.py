@@ -22,7 +22,8 @@ One micro-batch on one rank:
   3. with a capacity factor, each expert keeps what the drop policy prefers, decided on the
      whole micro-batch, so it does not depend on how the tokens were split over ranks;
   4. ``moe_dispatch``: assignments sorted by expert, exchanged by all-to-all over EP, the
-     experts as one grouped GEMM per matrix, and the way back;
+     experts as one grouped GEMM per matrix (torch's in bf16; Transformer Engine's under FP8),
+     and the way back;
   5. weighted sum per token, then leave the TP region (all-reduce / reduce-scatter).
 
 The auxiliary losses never travel with the activations: ``_AttachAuxLoss`` seeds their
@@ -200,7 +201,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, cfg, *, layer_number: int, tp: GroupHandle = SINGLE, ep: GroupHandle = SINGLE,
                  expert_dp: GroupHandle = SINGLE, cp: GroupHandle = SINGLE, grad_reduction: GroupHandle = SINGLE,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, grouped_experts=None, device=None, dtype=None):
         super().__init__()
         experts, ffn, hidden = cfg.num_experts, cfg.moe_ffn_hidden_size, cfg.hidden_size
         if experts % ep.size or ffn % tp.size:
@@ -220,6 +221,9 @@ class MoELayer(nn.Module):
         self.w1 = self._expert_weight((sum(blocks) // tp.size, hidden), Sharding(1, blocks), cfg.init_method_std, device, dtype)
         self.w2 = self._expert_weight((hidden, ffn // tp.size), Sharding(2, (ffn,)),
                                       scaled_init_std(cfg.init_method_std, cfg.num_layers), device, dtype)
+        # ``grouped_experts``: a factory (w1, w2, activation) of another implementation of the experts on these
+        # parameters (Transformer Engine's FP8 grouped GEMMs, hybridlm.model.transformer_engine.TEGroupedExperts)
+        self.fused_experts = grouped_experts(self.w1, self.w2, self._activation) if grouped_experts and self.grouped else None
         self.deepspeed_groups = DeepSpeedExpertGroups(experts, ep, expert_dp)
         self.stats = RoutingStats(experts)
         self.aux_loss_scale = 1.0  # gradient of the aux losses; the trainer sets parallel.loss.aux_loss_scale
@@ -330,13 +334,16 @@ class MoELayer(nn.Module):
         return unpermute(rows, token, weight, tokens.shape[0])
 
     def _experts(self, x, counts):
+        if self.fused_experts is not None:
+            return self.fused_experts(x, counts)
         h = expert_matmul(x, self.w1, counts, self.grouped)
+        return expert_matmul(self._activation(h), self.w2, counts, self.grouped)
+
+    def _activation(self, h):
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        return expert_matmul(h, self.w2, counts, self.grouped)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
 
     @torch.no_grad()
     def end_step(self, reduced_counts: torch.Tensor | None, bias_update_rate: float) -> None:

@@ -64,11 +64,13 @@ class LocalOps:
     (weight, bias) -> callable replacing the linears' GEMM (TE's Linear); ``norm_matmul``: a factory
     (norm, weight, bias) fusing a norm into the column linear after it (TE's LayerNormLinear);
     ``norm_mlp``: a factory (norm, fc1 weight, fc2 weight, activation) for a whole norm + MLP block
-    on this rank's shards (TE's LayerNormMLP)."""
+    on this rank's shards (TE's LayerNormMLP); ``grouped_experts``: a factory (w1, w2, activation) computing
+    an MoE layer's experts on its stacked parameters (TE's GroupedLinear, for FP8 experts)."""
     kernels: Kernels = field(default_factory=reference_kernels)
     matmul: Optional[Callable] = None
     norm_matmul: Optional[Callable] = None
     norm_mlp: Optional[Callable] = None
+    grouped_experts: Optional[Callable] = None
 
 
 class _BetweenTPCrossings:
@@ -133,8 +135,8 @@ class LayerFactory:
         """Routed experts (router, dispatch over EP, experts split over EP and TP) for one layer."""
         g = self.groups
         return MoELayer(cfg, layer_number=layer_number, tp=g.tp, ep=g.ep, expert_dp=g.expert_dp, cp=g.cp,
-                        grad_reduction=g.grad_reduction, sequence_parallel=self.sequence_parallel, device=self.device,
-                        dtype=self.dtype)
+                        grad_reduction=g.grad_reduction, sequence_parallel=self.sequence_parallel,
+                        grouped_experts=self.ops.grouped_experts, device=self.device, dtype=self.dtype)
 
     def attention(self, core: Callable, block_kernel) -> Callable:
         """The attention core over the whole sequence: ``core`` itself, or under CP the ring /

@@ -26,8 +26,8 @@ from ..model.attention_backends import block_kernel_name, describe_block_kernel,
 from ..model.cuda_graphs import capture_layers
 from ..model.execution import apply_recompute, apply_selective_recompute, compile_layers
 from ..model.specs import build_model, transformer_layers
-from ..model.transformer_engine import (MicroBatchPhase, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP, fp8_context,
-                                        fp8_recipe, te_modules_in)
+from ..model.transformer_engine import (MicroBatchPhase, TEGroupedExperts, TELocalMatmul, TELocalNormMatmul, TELocalNormMLP,
+                                        fp8_context, fp8_recipe, te_modules_in)
 from ..model.wgrad_fusion import MainGrads
 from ..model.weights import init_parameters
 from ..ops import select_kernels
@@ -210,8 +210,11 @@ def layer_factory(cfg: RunConfig, ps: ParallelState, phase: MicroBatchPhase) -> 
     kernels = select_kernels(cfg.model.fused_op_names(), require=cfg.model.require_fused_ops, device=device())
     ops = LocalOps(kernels=kernels)
     if cfg.model.transformer_impl == "transformer_engine":
+        # the experts through TE only in FP8: in bf16 torch's one grouped GEMM needs no host sync and no padding
+        experts = partial(TEGroupedExperts, phase=phase) if cfg.model.fp8_format else None
         ops = LocalOps(kernels=kernels, matmul=partial(TELocalMatmul, phase=phase),
-                       norm_matmul=partial(TELocalNormMatmul, phase=phase), norm_mlp=partial(TELocalNormMLP, phase=phase))
+                       norm_matmul=partial(TELocalNormMatmul, phase=phase), norm_mlp=partial(TELocalNormMLP, phase=phase),
+                       grouped_experts=experts)
     return LayerFactory(ModelGroups.of(ps), sequence_parallel=p.sequence_parallel, cp_comm_type=p.cp_comm_type, ops=ops,
                         device=device())
 
