@@ -81,6 +81,7 @@ MIXTRAL_2L = ("--num-layers", "2", "--global-batch-size", "16") + BF16 + BALANCE
 MIXTRAL_4L = ("--num-layers", "4", "--global-batch-size", "8") + BF16 + BALANCED
 L_MIXTRAL_4L = f"Mixtral-8x7B shape, 4 of 32 layers, 1 H200, EP=1, gbs 8, ZeRO-1, {L_BALANCED}"
 FP8_TE = ("--transformer-impl", "transformer_engine", "--fp8-format", "hybrid")
+COMPILED_MB2 = ("--torch-compile", "--micro-batch-size", "2")
 SEVEN_B = dict(model="llama2-7b", gpus=4, steps=6, warmup=3, expected_s=200)
 # one sample per step, full recompute: the longest sequences; a case past the memory is a failed record
 LONG = BF16 + ("--micro-batch-size", "1", "--global-batch-size", "1", "--recompute-granularity", "full")
@@ -199,12 +200,12 @@ CASES = (
          peers=("megatron-lm",), expected_s=240, timeout_s=300),
     Case("moe-4l-fp8", "moe", f"{L_MIXTRAL_4L}, TE FP8 hybrid, the experts as TE's grouped FP8 GEMMs", model="mixtral-8x7b",
          flags=MIXTRAL_4L + FP8_TE, steps=10, warmup=4, peers=("megatron-lm",), expected_s=240, timeout_s=300, needs=("te",)),
-    # issue 45's FP8 goal in hybridlm's one-GPU setting for the layer (moe-1gpu-compiled): FP8 against bf16, both compiled
-    Case("moe-4l-bf16-compiled", "moe", f"{L_MIXTRAL_4L}, bf16, --torch-compile", model="mixtral-8x7b",
-         flags=MIXTRAL_4L + ("--torch-compile",), steps=10, warmup=4, expected_s=240, timeout_s=300),
-    Case("moe-4l-fp8-compiled", "moe", f"{L_MIXTRAL_4L}, TE FP8 hybrid, the experts as TE's grouped FP8 GEMMs, --torch-compile",
-         model="mixtral-8x7b", flags=MIXTRAL_4L + FP8_TE + ("--torch-compile",), steps=10, warmup=4, expected_s=240,
-         timeout_s=300, needs=("te",)),
+    # issue 45's FP8 goal in hybridlm's one-GPU setting for the layer (moe-1gpu-compiled: compiled, mb 2), FP8 against bf16
+    Case("moe-4l-bf16-compiled", "moe", f"{L_MIXTRAL_4L}, mb 2, bf16, --torch-compile", model="mixtral-8x7b",
+         flags=MIXTRAL_4L + COMPILED_MB2, steps=10, warmup=4, expected_s=120, timeout_s=300),
+    Case("moe-4l-fp8-compiled", "moe", f"{L_MIXTRAL_4L}, mb 2, TE FP8 hybrid, the experts as TE's grouped FP8 GEMMs, "
+         "--torch-compile", model="mixtral-8x7b", flags=MIXTRAL_4L + FP8_TE + COMPILED_MB2, steps=10, warmup=4,
+         expected_s=120, timeout_s=300, needs=("te",)),
     Case("moe-4l-finegrained", "moe", f"{L_MIXTRAL_4L.replace('Mixtral-8x7B shape', 'Mixtral-8x7B attention, 64 experts of width 1792 top-8')}, bf16",
          model="mixtral-8x7b", flags=MIXTRAL_4L + ("--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "1792"),
          steps=10, warmup=4, peers=("megatron-lm",), expected_s=240, timeout_s=300),
