@@ -144,8 +144,8 @@ LAYOUTS: dict[str, SuggestedLayout] = {
     # The MoE guides' layout (Megatron-core's Mixtral recipe): TP1 PP4 EP8, each node one EP group (the
     # all-to-all stays on NVLink), full recompute. Without recompute `scripts/plan.py` puts it at 71.5 of
     # 80 GiB for perfectly balanced routing, but expert activations grow with the busiest expert's load;
-    # with it, 25.9 GiB (the guides measured about 28). SP is moot at TP1; FP8 cannot be combined with
-    # recompute yet (and the experts' grouped GEMMs run in bf16 either way).
+    # with it, 25.9 GiB (the guides measured about 28). SP is moot at TP1; FP8 (whose experts run as TE's
+    # grouped FP8 GEMMs) cannot be combined with recompute yet.
     "mixtral-8x7b": SuggestedLayout(nodes=8, gpus_per_node=8, pp=4, ep=8, zero=1, recompute="full", global_batch_size=1024,
                                     torch_compile=False),
 }
