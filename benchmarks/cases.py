@@ -209,6 +209,10 @@ CASES = (
     Case("moe-4l-finegrained", "moe", f"{L_MIXTRAL_4L.replace('Mixtral-8x7B shape', 'Mixtral-8x7B attention, 64 experts of width 1792 top-8')}, bf16",
          model="mixtral-8x7b", flags=MIXTRAL_4L + ("--num-experts", "64", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "1792"),
          steps=10, warmup=4, peers=("megatron-lm",), expected_s=240, timeout_s=300),
+    Case("moe-4l-finegrained-compiled", "moe", f"{L_MIXTRAL_4L.replace('Mixtral-8x7B shape', 'Mixtral-8x7B attention, 64 experts of width 1792 top-8')}, "
+         "mb 2, bf16, --torch-compile", model="mixtral-8x7b", flags=MIXTRAL_4L + COMPILED_MB2 + ("--num-experts", "64",
+         "--moe-router-topk", "8", "--moe-ffn-hidden-size", "1792"), steps=10, warmup=4, peers=("megatron-lm",), expected_s=120,
+         timeout_s=300),
     Case("mixtral-ep2", "moe", f"EP=2, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16, {L_BALANCED}", model="mixtral-8x7b",
          gpus=2, flags=MIXTRAL_2L + ("--expert-model-parallel-size", "2"), peers=("megatron-lm",)),
     Case("moe-ep4-8gpu", "moe", f"Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), EP=4 x DP=8, ZeRO-1, bf16, gbs 64, {L_BALANCED}",
