@@ -223,7 +223,7 @@ class MoELayer(nn.Module):
                                       scaled_init_std(cfg.init_method_std, cfg.num_layers), device, dtype)
         # ``grouped_experts``: a factory (w1, w2, activation) of another implementation of the experts on these
         # parameters (Transformer Engine's FP8 grouped GEMMs, hybridlm.model.transformer_engine.TEGroupedExperts)
-        self.fused_experts = grouped_experts(self.w1, self.w2, self._activation) if grouped_experts and self.grouped else None
+        self.experts_impl = grouped_experts(self.w1, self.w2, self._activation) if grouped_experts and self.grouped else None
         self.deepspeed_groups = DeepSpeedExpertGroups(experts, ep, expert_dp)
         self.stats = RoutingStats(experts)
         self.aux_loss_scale = 1.0  # gradient of the aux losses; the trainer sets parallel.loss.aux_loss_scale
@@ -334,8 +334,8 @@ class MoELayer(nn.Module):
         return unpermute(rows, token, weight, tokens.shape[0])
 
     def _experts(self, x, counts):
-        if self.fused_experts is not None:
-            return self.fused_experts(x, counts)
+        if self.experts_impl is not None:
+            return self.experts_impl(x, counts)
         h = expert_matmul(x, self.w1, counts, self.grouped)
         return expert_matmul(self._activation(h), self.w2, counts, self.grouped)
 
