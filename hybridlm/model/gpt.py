@@ -143,7 +143,8 @@ class Attention(nn.Module):
         v = v.reshape(s, b, -1, self.head_dim)
         if self.rotary is not None:
             rope = positions if self.packed or positions is None else positions[0]  # unpacked rows: one table for all
-            q, k = self.rotary.apply(q, rope), self.rotary.apply(k, rope)
+            tables = self.rotary.tables(s, q.device, rope)
+            q, k = self.rotary.apply(q, tables), self.rotary.apply(k, tables)
         return self.attend(q, k, v, positions if self.packed else None).reshape(s, b, -1)
 
 
