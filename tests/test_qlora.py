@@ -17,6 +17,7 @@ that the adapters already move the logits, and saves. Then, in fp32 on the CPU:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -27,8 +28,19 @@ import torch
 from harness import run_ranks
 from oracle import ds_config
 
-pytest.importorskip("bitsandbytes", reason="QLoRA's base is bitsandbytes' (pip install 'hybridlm[qlora]')")
-pytest.importorskip("peft", reason="the QLoRA model is compared with PEFT's (pip install peft)")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                                 reason="QLoRA's base is bitsandbytes' (pip install 'hybridlm[qlora]')"),
+              pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                 reason="the QLoRA model is compared with PEFT's (pip install peft)")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported_once_for_the_forked_ranks():
+    """bitsandbytes and PEFT (transformers with it: ~6.7 s of CPU) imported in the test process, once, by the
+    pytest-xdist worker that runs this file, so that its forked ranks inherit them. Imported at module level, they
+    cost every worker that time at collection, before its first test."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
 
 QLORA = ["--lora-rank", "4", "--lora-alpha", "8", "--quant-bits", "4"]
 SHAPE = dict(hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
