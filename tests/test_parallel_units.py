@@ -143,26 +143,17 @@ def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1, dict(dynamo_utils.counters["stats"])
 
 
-@pytest.mark.parametrize("carried", [False, True], ids=["row_index_positions", "positions_from_the_batch"])
-def test_compiled_layers_take_ropes_tables_from_one_opaque_op_and_trace_no_cos_or_sin(carried):
-    # Traced, RoPE's cos/sin were inlined by Inductor into every element of the rotation reading them, forward and
-    # backward (batch x heads times their work: 227 ms of the reference model's 1,197 ms FP8 step on an H200). The
-    # graph Inductor receives must hold the tables as one opaque op, shared by q and k, and no cos or sin; the loss
-    # and gradients stay the eager ones.
-    from hybridlm.config import ModelConfig
+def _graphs_of_compiled_layers_computing_the_eager_step(cfg, make_factory, inputs, labels) -> list[list[str]]:
+    """One step of the model eager and one with its layers compiled (by a backend that records each graph's call
+    targets), from the same weights: the same loss and gradients (asserted); the compiled run's graphs."""
     from hybridlm.model.execution import compile_layers
     from hybridlm.model.specs import build_model
     from hybridlm.model.weights import init_parameters
-    from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.state import SINGLE
 
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16, **LLAMA_BLOCK_SETTINGS)
-    cfg.padded_vocab_size = 256
-    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    inputs = (tokens, torch.arange(16).repeat(2, 1) + 3) if carried else tokens
     results = {}
     for compiled in (False, True):
-        model = build_model(cfg, LayerFactory())
+        model = build_model(cfg, make_factory())
         init_parameters(model, 5, SINGLE)
         graphs = []
 
@@ -172,13 +163,30 @@ def test_compiled_layers_take_ropes_tables_from_one_opaque_op_and_trace_no_cos_o
         if compiled:
             torch._dynamo.reset()
             compile_layers(model, backend=record)
-        loss = model(inputs, tokens)
+        loss = model(inputs, labels)
         loss.backward()
         results[compiled] = (loss.item(), {n: p.grad for n, p in model.named_parameters()}, graphs)
     (loss, grads, _), (compiled_loss, compiled_grads, graphs) = results[False], results[True]
     assert compiled_loss == pytest.approx(loss, rel=1e-6)
     for name, grad in grads.items():
         assert torch.allclose(compiled_grads[name], grad, rtol=1e-5, atol=1e-7), name
+    return graphs
+
+
+@pytest.mark.parametrize("carried", [False, True], ids=["row_index_positions", "positions_from_the_batch"])
+def test_compiled_layers_take_ropes_tables_from_one_opaque_op_and_trace_no_cos_or_sin(carried):
+    # Traced, RoPE's cos/sin were inlined by Inductor into every element of the rotation reading them, forward and
+    # backward (batch x heads times their work: 227 ms of the reference model's 1,197 ms FP8 step on an H200). The
+    # graph Inductor receives must hold the tables as one opaque op, shared by q and k, and no cos or sin; the loss
+    # and gradients stay the eager ones.
+    from hybridlm.config import ModelConfig
+    from hybridlm.parallel.plan import LayerFactory
+
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16, **LLAMA_BLOCK_SETTINGS)
+    cfg.padded_vocab_size = 256
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = (tokens, torch.arange(16).repeat(2, 1) + 3) if carried else tokens
+    graphs = _graphs_of_compiled_layers_computing_the_eager_step(cfg, LayerFactory, inputs, tokens)
     assert len(graphs) == 1, graphs
     targets = graphs[0]
     assert sum("rotary_tables" in target for target in targets) == 1, targets
@@ -188,14 +196,8 @@ def test_compiled_layers_take_ropes_tables_from_one_opaque_op_and_trace_no_cos_o
 def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_them():
     # Transformer Engine's GEMMs cannot be traced; compiling the whole layer around them would give
     # a graph per fragment (down to a lone residual add). Stand-ins: PyTorch GEMMs kept out of the graph.
-    import torch._dynamo.utils as dynamo_utils
-
     from hybridlm.config import ModelConfig
-    from hybridlm.model.execution import compile_layers
-    from hybridlm.model.specs import build_model
-    from hybridlm.model.weights import init_parameters
     from hybridlm.parallel.plan import LayerFactory, LocalOps
-    from hybridlm.parallel.state import SINGLE
 
     def matmul(weight, bias):
         return torch.compiler.disable(lambda x: F.linear(x, weight, bias))
@@ -212,26 +214,8 @@ def test_with_gemms_outside_the_graphs_a_layer_compiles_only_what_lies_between_t
     cfg = ModelConfig(num_layers=3, hidden_size=32, num_attention_heads=2, vocab_size=256, seq_length=16, **LLAMA_BLOCK_SETTINGS)
     cfg.padded_vocab_size = 256
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for compiled in (False, True):
-        model = build_model(cfg, LayerFactory(ops=LocalOps(matmul=matmul, norm_matmul=norm_matmul, norm_mlp=norm_mlp)))
-        init_parameters(model, 5, SINGLE)
-        graphs = []
-
-        def record(gm, example_inputs):
-            graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
-            return gm.forward
-        if compiled:
-            torch._dynamo.reset()
-            dynamo_utils.counters.clear()
-            compile_layers(model, backend=record)
-        loss = model(tokens, tokens)
-        loss.backward()
-        results[compiled] = (loss.item(), {n: p.grad for n, p in model.named_parameters()}, graphs)
-    (loss, grads, _), (compiled_loss, compiled_grads, graphs) = results[False], results[True]
-    assert compiled_loss == pytest.approx(loss, rel=1e-6)
-    for name, grad in grads.items():
-        assert torch.allclose(compiled_grads[name], grad, rtol=1e-5, atol=1e-7), name
+    graphs = _graphs_of_compiled_layers_computing_the_eager_step(
+        cfg, lambda: LayerFactory(ops=LocalOps(matmul=matmul, norm_matmul=norm_matmul, norm_mlp=norm_mlp)), tokens, tokens)
     assert len(graphs) == 1, graphs  # attention's middle, shared by the three layers
     assert any("scaled_dot_product_attention" in target for target in graphs[0]), graphs[0]
 
