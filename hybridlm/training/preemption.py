@@ -14,7 +14,7 @@ except that it exits 128 + the signal's number after saving, as a process stoppe
 (``deepspeed``, ``torchrun``, ``srun``) passes them on to the ranks, or a terminal sends them to every
 process, and then gives the ranks some seconds (DeepSpeed's and torchrun's 30, Slurm's KillWait) before
 it kills them. The wait for the step in flight is bounded (``STOP_GRACE_SECONDS``), and a second
-Ctrl-C stops at once, without saving.
+Ctrl-C (a second after the first at least: ``REPEAT_WINDOW_SECONDS``) stops at once, without saving.
 """
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ EXIT_CODE = 75
 # After a stop signal a rank that has not begun the save within this many seconds (a step that long, a collective
 # stuck on a dead rank) exits without saving: a stop never turns into a hang.
 STOP_GRACE_SECONDS = 120.0
+# One Ctrl-C can reach a rank twice: from the terminal (the whole process group gets it) and again from torchrun's
+# agent, which passes the signal it got on to its workers milliseconds later. The same signal again within this many
+# seconds of the first is that copy, not a second press (which would exit without saving); a person pressing
+# Ctrl-C again after it is heard.
+REPEAT_WINDOW_SECONDS = 1.0
 
 
 class Preempted(RuntimeError):
@@ -76,20 +81,23 @@ def any_rank(flag: bool, device) -> bool:
 
 class StopSignals:
     """SIGINT and SIGTERM (those that are not the --exit-signal): noted, so that the step in flight finishes and every
-    rank saves (``agreed``); a second of the same signal, or ``grace`` seconds without reaching the save, exits at once."""
+    rank saves (``agreed``); a second of the same signal (``repeat_window`` seconds or more after the first), or ``grace``
+    seconds without reaching the save, exits at once. ``received`` is the first signal this rank handled: under the
+    deepspeed launcher a rank gets the terminal's SIGINT and the launcher's SIGTERM together, in either order."""
 
-    def __init__(self, names, grace: float = STOP_GRACE_SECONDS):
+    def __init__(self, names, grace: float = STOP_GRACE_SECONDS, repeat_window: float = REPEAT_WINDOW_SECONDS):
         self.received: str | None = None
-        self.grace = grace
+        self.grace, self.repeat_window = grace, repeat_window
         self._timer = None
+        self._received_at = 0.0
         self._previous = {getattr(signal, name): signal.signal(getattr(signal, name), self._note) for name in names}
 
     def _note(self, signum, frame) -> None:
         name = signal.Signals(signum).name
-        if self.received == name:  # pressed twice: the user does not want to wait for the save
-            _exit_now(f"hybridlm: a second {name}: stopping at once, without saving.", signum)
+        if self.received == name and time.monotonic() - self._received_at >= self.repeat_window:
+            _exit_now(f"hybridlm: a second {name}: stopping at once, without saving.", signum)  # pressed twice
         if self.received is None:
-            self.received = name
+            self.received, self._received_at = name, time.monotonic()
             self._timer = threading.Timer(self.grace, _exit_now, (f"hybridlm: {name} received, but no step ended within "
                                                                    f"{self.grace:g} s to save at: stopping without saving.", signum))
             self._timer.daemon = True
