@@ -120,6 +120,37 @@ def test_full_recompute_marks_first_layers_of_each_stage():
     assert flags == [True, True, True, False]
 
 
+def test_recomputed_packed_layers_see_the_sample_starts_the_packer_attached_in_forward_and_in_backward():
+    # DeepSpeed's checkpoint hands the recompute detached copies of its tensor inputs, and a copy of the position
+    # ids loses the sample starts the packer attached to them: every recomputed layer then found them on the device
+    # (a host sync, and a graph break in each compiled layer). The ids must reach the recompute as they came.
+    from hybridlm.config import ModelConfig
+    from hybridlm.model.attention_backends import SAMPLE_STARTS, attach_sample_starts
+    from hybridlm.model.execution import apply_recompute
+    from hybridlm.model.specs import build_model
+    from hybridlm.parallel.plan import LayerFactory
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=256, packed_samples=True,
+                      **LLAMA_BLOCK_SETTINGS)
+    cfg.padded_vocab_size = 256
+    model = build_model(cfg, LayerFactory()).train()
+    assert apply_recompute(model, None) == 2
+    seen = []
+    for layer in model.layer_steps.layers:
+        def attend(q, k, v, positions=None, inner=layer.attention.attend):
+            seen.append(getattr(positions, SAMPLE_STARTS, None))
+            return inner(q, k, v, positions)
+        layer.attention.attend = attend
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+    starts = torch.tensor([0, 3, 8, 14, 16], dtype=torch.int32)
+    attach_sample_starts(positions, starts)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    out, _ = model.layer_steps((x, positions))
+    out.square().sum().backward()
+    assert len(seen) == 4, "each layer attends once in forward and once in its recompute"
+    assert all(found is starts for found in seen), "a recomputed layer was handed ids without their sample starts"
+    assert x.grad is not None and all(p.grad is not None for p in model.layer_steps.layers[0].parameters())
+
+
 def test_torch_compile_compiles_every_transformer_layer_into_one_shared_graph():
     # The oracle shows compiled layers compute the eager function (Inductor's code: test_oracle.py, test_moe.py);
     # this shows they really are compiled, into one graph that every layer shares. Which graphs dynamo captures and
