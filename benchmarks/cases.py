@@ -317,8 +317,8 @@ CASES = (
     # each side at its fastest there: hybridlm compiled (its README setting for 48 GiB and up)
     _qlora_beside_peft("7b-qlora-peft-compiled", "no recompute on either side, hybridlm --torch-compile",
                        "--hybridlm-flags=--torch-compile", "--no-peft-recompute", expected_s=300),
-    # every layer recomputed on both sides again (a 24 GiB card), hybridlm compiled: since the recompute keeps the
-    # packer's sample starts on the ids (recompute_in_backward), a compiled layer no longer breaks its graph there
+    # every layer recomputed on both sides again (a 24 GiB card), hybridlm compiled (0.69x PEFT at 7c40540, before
+    # the frozen base's GEMMs took flat rows: benchmarks/PROFILES.md)
     _qlora_beside_peft("7b-qlora-peft-compiled-recompute", "every layer recomputed on both sides, hybridlm --torch-compile",
                        "--hybridlm-flags=--torch-compile --recompute-granularity full"),
     Case("7b-full-zero3-offload", "post-training", "1 GPU, full fine-tuning, ZeRO-3 + CPU offload (params and optimizer), full "

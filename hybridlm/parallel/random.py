@@ -71,8 +71,8 @@ def recompute_in_backward(function, *args):
     None) reach ``function`` as they are, the same objects in the recompute. DeepSpeed's backward
     hands the recompute detached copies of its tensor inputs, and a copy loses what the packer
     attached to the ids (their sample starts, ``attention_backends.sample_starts``): every recomputed
-    layer then found them on the device again, a host sync, and under --torch-compile a graph
-    break in each layer (packed QLoRA with compile and full recompute ran at 0.6x eager's speed)."""
+    layer then found them on the device again: a host sync each, and under --torch-compile a graph
+    break in each recomputed layer."""
     if torch.is_grad_enabled():
         args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
                      else a for a in args)

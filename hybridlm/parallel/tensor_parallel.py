@@ -155,7 +155,19 @@ class ColumnParallelLinear(nn.Module):
 
 def column_parallel_matmul(x, weight, bias, tp: GroupHandle, sequence_parallel: bool):
     x = gather_from_sequence(x, tp) if sequence_parallel else copy_to_tensor_parallel(x, tp)
-    return F.linear(x, weight, bias)
+    return rows_linear(x, weight, bias)
+
+
+def rows_linear(x, weight, bias=None):
+    """``F.linear`` on the rows of ``x`` laid flat, as one GEMM whatever ``x``'s layout.
+
+    torch's matmul folds a 3-D input into a matrix only where that is a view or the weight needs a
+    gradient. A frozen weight (LoRA's base, a 4-bit one dequantized) beside an input whose rows are
+    not one view (batch-major memory under [s, b, h], as compiled graphs may hand it on) took a
+    batched matmul against the broadcast weight instead: half of a compiled, recomputed QLoRA step
+    (hybridlm.parallel.quantized). A contiguous input costs nothing here: the reshape is a view."""
+    out = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 class RowParallelLinear(nn.Module):
@@ -179,7 +191,7 @@ class RowParallelLinear(nn.Module):
         self.lora = None  # a LoRA adapter (hybridlm.parallel.lora.add_adapters): its term is added to the output
 
     def forward(self, x):
-        y = self.local_matmul(x) if self.local_matmul is not None else F.linear(x, self.weight)
+        y = self.local_matmul(x) if self.local_matmul is not None else rows_linear(x, self.weight)
         y = reduce_scatter_to_sequence(y, self.tp) if self.sequence_parallel else reduce_from_tensor_parallel(y, self.tp)
         if self.lora is not None and self.lora.enabled:
             y = y + self.lora(x)
