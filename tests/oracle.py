@@ -114,3 +114,21 @@ def assert_matches(reference: dict, parallel: dict, tol: float = 1e-5) -> None:
         assert got.shape == want.shape, f"{name}: gradient shape {tuple(got.shape)} != {tuple(want.shape)}"
         err = relative_error(got, want)
         assert err <= tol, f"{name}: step-1 gradient relative error {err:.2e} > {tol:.0e}"
+
+
+def assert_flat_matmul_for_batch_major_rows(linear, weight: torch.Tensor) -> None:
+    """``linear`` ([s, b, in] -> [s, b, out]) with the frozen ``weight`` [out, in], run forward and backward on an
+    input and a gradient over batch-major memory (each row's features contiguous, the rows not one view): no
+    batched matmul against the broadcast weight (torch's matmul picks one for such rows when the weight needs no
+    gradient), and the values of x W^T and g W."""
+    from torch.profiler import ProfilerActivity, profile
+    out_features, in_features = weight.shape
+    x = torch.randn(2, 8, in_features).transpose(0, 1).requires_grad_()
+    grad = torch.randn(2, 8, out_features).transpose(0, 1)
+    with profile(activities=[ProfilerActivity.CPU]) as run:
+        out = linear(x)
+        out.backward(grad)
+    assert "aten::bmm" not in {event.key for event in run.key_averages()}, "a batched matmul against the broadcast weight"
+    assert out.shape == (8, 2, out_features)
+    assert torch.allclose(out.detach().reshape(-1, out_features), x.detach().reshape(-1, in_features) @ weight.t(), atol=1e-6)
+    assert torch.allclose(x.grad.reshape(-1, in_features), grad.reshape(-1, out_features) @ weight, atol=1e-6)

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from harness import run_ranks
-from oracle import ds_config
+from oracle import assert_flat_matmul_for_batch_major_rows, ds_config
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                  reason="QLoRA's base is bitsandbytes' (pip install 'hybridlm[qlora]')"),
@@ -238,26 +238,13 @@ def test_quantizing_each_tp_shard_on_its_own_drifts_from_single_process(base, tm
 def test_the_4bit_linear_is_one_matrix_product_for_inputs_and_gradients_of_any_layout():
     # W needs no gradient, so torch's matmul of a 3-D input that does not flatten as a view runs a batched
     # product per row against the broadcast W: half of a compiled, fully recomputed 7B QLoRA step on an H200.
-    from torch.profiler import ProfilerActivity, profile
-
     from hybridlm.parallel.plan import LayerFactory
     from hybridlm.parallel.quantized import QuantSpec, quantize_linear
     factory = LayerFactory()
     linear = factory.column_linear(64, [128], bias=False, init_std=0.02)
     quantized = quantize_linear(linear, QuantSpec("nf4", True, torch.float32), factory.tp)
     quantized.assign(torch.randn(128, 64, generator=torch.Generator().manual_seed(0)) * 0.02)
-    dense = quantized.dequantize()
-    # [s 8, b 2, h] over batch-major memory: each row's features are contiguous, but the rows are not one view
-    x = torch.randn(2, 8, 64).transpose(0, 1).requires_grad_()
-    grad = torch.randn(2, 8, 128).transpose(0, 1)
-    with profile(activities=[ProfilerActivity.CPU]) as run:
-        out = linear.local_matmul(x)
-        out.backward(grad)
-    ops = {event.key for event in run.key_averages()}
-    assert "aten::bmm" not in ops, "a batched matmul per row against the broadcast 4-bit weight"
-    expected = x.detach().reshape(-1, 64) @ dense.t()
-    assert out.shape == (8, 2, 128) and torch.allclose(out.reshape(-1, 128), expected, atol=1e-6)
-    assert torch.allclose(x.grad, (grad.reshape(-1, 128) @ dense).view(8, 2, 64), atol=1e-6)
+    assert_flat_matmul_for_batch_major_rows(linear.local_matmul, quantized.dequantize())
 
 
 def test_qlora_sft_resumes_bit_exact_from_a_checkpoint_of_adapters_and_the_name_of_its_base(base, tmp_path):

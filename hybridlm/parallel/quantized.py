@@ -176,11 +176,8 @@ class _Frozen4bitLinear(torch.autograd.Function):
     """x W^T (+ b) with W dequantized on the fly, in forward and again in backward: nothing is saved
     for backward (W gets no gradient, so x is not needed), and the dense W lives for one GEMM.
 
-    Both products run on the rows laid flat (``tensor_parallel.rows_linear``): W needs no gradient,
-    so torch's matmul sent an input or gradient whose rows are not one view to a batched matmul
-    against the broadcast W. Under --torch-compile with full recompute that took half of a packed 7B
-    QLoRA step on an H200 (a 512x8-tile GEMM, 3.8 s of a 7.7 s step; flat: 4,754 -> 10,248
-    positions/s, benchmarks/PROFILES.md)."""
+    Both products run on the rows laid flat (``tensor_parallel.rows_linear``, which says why): a
+    batched matmul there took half of a compiled, recomputed 7B QLoRA step (benchmarks/PROFILES.md)."""
 
     @staticmethod
     def forward(ctx, x, weight: QuantizedWeight, bias):

@@ -76,16 +76,13 @@ def recompute_in_backward(function, *args):
     if torch.is_grad_enabled():
         args = tuple(a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() and not a.requires_grad
                      else a for a in args)
-    floating = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()]
-    if len(floating) == len(args):
+    activation = [torch.is_tensor(a) and a.is_floating_point() for a in args]
+    if all(activation):
         return ds_checkpointing.checkpoint(function, *args)
-
     # the activations themselves are not held here: DeepSpeed may keep only a partition or a CPU copy of them
-    others = [None if i in floating else a for i, a in enumerate(args)]
+    others = [None if is_activation else a for a, is_activation in zip(args, activation)]
 
     def on_activations(*activations):
-        full = list(others)
-        for i, activation in zip(floating, activations):
-            full[i] = activation
-        return function(*full)
-    return ds_checkpointing.checkpoint(on_activations, *(args[i] for i in floating))
+        given = iter(activations)
+        return function(*(next(given) if is_activation else a for a, is_activation in zip(others, activation)))
+    return ds_checkpointing.checkpoint(on_activations, *(a for a, is_activation in zip(args, activation) if is_activation))
