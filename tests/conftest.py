@@ -107,6 +107,16 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(autouse=True)
+def _default_generators_seeded_alike_before_every_test():
+    """torch's default generators (CPU and CUDA) start every test from one seed, whichever tests ran before on this
+    pytest-xdist worker: a test that draws from them unseeded (a layer's dropout, forced random routing) otherwise drew
+    what the earlier tests had left, and its figures changed with the order the workers were dealt (a CI run of
+    2026-12-02 failed so: forced load balancing's counts were 3.5 standard deviations from even)."""
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_process_group_left_in_the_test_process():
     """Ranks are forked from this process: a process group left here by one test would be inherited by every later
     test's ranks (an order dependence). The test that leaves one fails, by name."""

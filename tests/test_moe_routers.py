@@ -228,7 +228,9 @@ def test_forced_load_balancing_routes_evenly_whatever_the_router_prefers_and_tra
         loads[forced] = layer.stats.pop("cpu")[:4]
         assert torch.isfinite(layer.router.weight.grad).all() and layer.router.weight.grad.abs().sum() > 0
     assert loads[False][0] == 800, "the test's router sends all 800 tokens to expert 0"
-    assert loads[True].sum() == 1600 and loads[True].max() / loads[True].mean() < 1.1, loads[True]
+    # 800 tokens x top-2 of 4: each expert's count has mean 400 and standard deviation ~14 under fair draws. Over
+    # 300 seeds max/mean reached 1.11, so the bound of 1.2 (~5.7 deviations) holds for any seed, not a lucky one.
+    assert loads[True].sum() == 1600 and loads[True].max() / loads[True].mean() < 1.2, loads[True]
 
 
 def test_forced_load_balancing_draws_the_same_logits_when_recomputed_and_on_every_tp_rank():
