@@ -215,6 +215,9 @@ CASES = (
          timeout_s=300),
     Case("mixtral-ep2", "moe", f"EP=2, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16, {L_BALANCED}", model="mixtral-8x7b",
          gpus=2, flags=MIXTRAL_2L + ("--expert-model-parallel-size", "2"), peers=("megatron-lm",)),
+    # issue 45's 4-GPU case: the same two layers, two of the eight experts a GPU, gbs 16 as DP=4 x 4 micro-batches
+    Case("mixtral-ep4", "moe", f"EP=4, Mixtral-8x7B shape, 2 of 32 layers, gbs 16, ZeRO-1, bf16, {L_BALANCED}", model="mixtral-8x7b",
+         gpus=4, flags=MIXTRAL_2L + ("--expert-model-parallel-size", "4"), peers=("megatron-lm",)),
     Case("moe-ep4-8gpu", "moe", f"Mixtral-style d1024 L16, 8 experts top-2 (1.5B, 0.5B active), EP=4 x DP=8, ZeRO-1, bf16, gbs 64, {L_BALANCED}",
          gpus=8, steps=10, warmup=4, flags=("--num-layers", "16", "--hidden-size", "1024", "--num-attention-heads", "16",
          "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "3584", "--num-experts", "8", "--moe-router-topk", "2",
