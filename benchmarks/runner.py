@@ -127,6 +127,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a launch prints when another process took its port between free_port() and its bind: torch's and the OS's words,
+# and hybridlm's own sentence, all a pretrain rank says (hybridlm.training.distributed turns the bind error into it).
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "is taken by another process")
+
+
+def port_was_taken(output: str) -> bool:
+    return any(s in output for s in PORT_TAKEN)
+
+
 def visible_gpus() -> Optional[list[str]]:
     """The GPUs this process was given by number (CUDA_VISIBLE_DEVICES, e.g. a lane of the GPU suite), else None."""
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -244,17 +253,24 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
     timeout = case.timeout_s if call.left_s() is None else max(1.0, min(case.timeout_s, call.left_s()))
     common = {"call": call.id, "suite": case.suite, "case": case.name, "system": system, "commit": call.commit,
               "device": device_of(case), "label": case.label}
-    if system == "megatron-lm" and not case.script:
-        argv = megatron_command(case, call)
+    megatron_run = system == "megatron-lm" and not case.script
+
+    def command() -> list[str]:  # on a port of its own, picked just now
+        return megatron_command(case, call) if megatron_run else hybridlm_command(case, system, record_file, call, profile_dir)
+
+    argv = command()
+    if megatron_run:
         try:
             megatron.build_helpers(call.megatron_src)
         except (ImportError, OSError, subprocess.CalledProcessError) as e:
             return [{**common, "status": "failed", "error": f"building Megatron-LM's dataset helper: {e}", "command": shown(argv),
                      "date": datetime.date.today().isoformat()}]
-    else:
-        argv = hybridlm_command(case, system, record_file, call, profile_dir)
     started = time.monotonic()
-    code, log = execute(argv, log_path, timeout, _env(system))
+    for attempt in range(3):  # again on a fresh port where another process took this one before the launch bound it
+        argv = argv if attempt == 0 else command()
+        code, log = execute(argv, log_path, timeout, _env(system))
+        if code == 0 or not port_was_taken(log) or (os.path.exists(record_file) and os.path.getsize(record_file)):
+            break  # (a run that recorded something got past its rendezvous: its failure is its own)
     now = datetime.datetime.now()
     common.update(date=now.date().isoformat(), time=now.isoformat(timespec="seconds"), wall_s=round(time.monotonic() - started, 1))
     failed = {**common, "status": "failed", "error": error_line(code, log), "command": shown(argv),
@@ -264,7 +280,7 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
     records = [{**common, "status": "ok", **r, **identity} for r in produced]  # a script's own system, label, status win
     if code != 0:
         return records + [failed]  # what a script recorded before it failed (e.g. the layouts of a curve case) stays
-    if system == "megatron-lm" and not case.script:
+    if megatron_run:
         return [_megatron_record(case, call, common, argv, log, failed)]
     if not produced:
         return [{**failed, "error": f"the run wrote no record (exit {code})"}]

@@ -25,15 +25,14 @@ from typing import Any, Callable
 # A port free a moment ago, for a program that binds it itself (a launcher's rank 0, a daemon): the port can be taken
 # before the program binds it, so such callers retry on EADDRINUSE (``retry_on_port_clash``). Forked ranks need
 # neither: their rank 0 binds a port the kernel picks and tells the others (``_child``).
-from benchmarks.runner import free_port  # noqa: F401  (the tests import it from here)
+from benchmarks.runner import free_port, port_was_taken  # noqa: F401  (the tests import them from here)
 
 
 def retry_on_port_clash(launch: Callable[[], subprocess.CompletedProcess], attempts: int = 3) -> subprocess.CompletedProcess:
     """``launch()`` again (it picks a new ``free_port()``) while its output says the port was taken meanwhile."""
     for _ in range(attempts):
         result = launch()
-        if result.returncode == 0 or not any(s in (result.stdout or "") + (result.stderr or "")
-                                             for s in ("EADDRINUSE", "Address already in use")):
+        if result.returncode == 0 or not port_was_taken((result.stdout or "") + (result.stderr or "")):
             return result
     return result
 

@@ -26,8 +26,8 @@ def reference(variant: tuple[str, ...] = ()) -> dict:
     return _references[variant]
 
 
-def parallel(world: int, layout: list[str], zero: str, variant: tuple[str, ...] = ()) -> dict:
-    results = run_ranks(world, train_and_probe, TINY + list(variant) + layout + ds_config(zero))
+def parallel(world: int, layout: list[str], zero: str, variant: tuple[str, ...] = (), timeout: float = 180.0) -> dict:
+    results = run_ranks(world, train_and_probe, TINY + list(variant) + layout + ds_config(zero), timeout=timeout)
     for other in results[1:]:
         assert other["losses"] == results[0]["losses"], "ranks disagree on the loss"
     return results[0]
@@ -150,4 +150,6 @@ def test_torch_compile_computes_the_eager_function(world, layout, backend):
     # aot_eager traces forward and backward as Inductor's front half does, without Inductor's C++
     # build of each kernel of the TP shapes (about 30 s of a cold cache's CPU here). On GPUs,
     # tests/test_gpu.py runs these layouts through Inductor on NCCL.
-    assert_matches(reference(), parallel(world, layout + ["--torch-compile", "--torch-compile-backend", backend], "zero1"))
+    # A fresh clone's cold Inductor cache: 75 s under a loaded 2-core machine, too near run_ranks' default of 180 s.
+    assert_matches(reference(), parallel(world, layout + ["--torch-compile", "--torch-compile-backend", backend], "zero1",
+                                         timeout=600))

@@ -60,10 +60,12 @@ def _finished(fields: dict) -> bool:
 def test_tiny_cpu_sbatch_trains_two_ranks_and_on_the_exit_signal_checkpoints_requeues_and_resumes_to_the_end(slurm, tmp_path):
     # One job for both: the template's two ranks train to the last iteration (which the requeued run reaches), and the
     # exit signal on the way saves, requeues and resumes (a job of its own for the first alone cost ~12 s more).
-    total = 40
+    # The signal must land while training runs: 40 iterations took 1.5 s on an idle 2-core machine, and the save came
+    # a third of the way in under load (the other pytest-xdist worker's jobs), so 150 leave a wide margin (~4 s more).
+    total = 150
     job = _submit_tiny(slurm, tmp_path, train_iters=total)
     deadline = time.monotonic() + 180
-    while len(_metrics(tmp_path)) < 2:  # training (and so the handler) is running
+    while not _metrics(tmp_path):  # training (and so the handler) is running
         assert time.monotonic() < deadline and not _finished(slurm.job(job)), (tmp_path / "job.out").read_text()[-3000:]
         time.sleep(0.2)
     slurm.run("scancel", "--signal=USR1", str(job))  # to every task of the job's steps, as #SBATCH --signal does

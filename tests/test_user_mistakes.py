@@ -365,6 +365,8 @@ def test_a_taken_rendezvous_port_is_one_sentence_naming_the_launchers_flag():
     message = _in_a_child(_init_on_a_taken_port)
     assert message.startswith("the rendezvous port ") and "is taken by another process" in message, message
     assert "deepspeed --master_port N" in message and "\n" not in message
+    from harness import port_was_taken
+    assert port_was_taken(message), "the tests' and the benchmark runner's retry on a taken port would not recognise this sentence"
 
 
 def _metrics(path, *keys) -> str:
