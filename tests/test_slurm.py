@@ -60,9 +60,10 @@ def _finished(fields: dict) -> bool:
 def test_tiny_cpu_sbatch_trains_two_ranks_and_on_the_exit_signal_checkpoints_requeues_and_resumes_to_the_end(slurm, tmp_path):
     # One job for both: the template's two ranks train to the last iteration (which the requeued run reaches), and the
     # exit signal on the way saves, requeues and resumes (a job of its own for the first alone cost ~12 s more).
-    # The signal must land while training runs: 40 iterations took 1.5 s on an idle 2-core machine, and the save came
-    # a third of the way in under load (the other pytest-xdist worker's jobs), so 150 leave a wide margin (~4 s more).
-    total = 150
+    # The signal must land while training runs: 40 iterations took 1.5 s on an idle 2-core machine, and a signal sent
+    # at the second logged step saved at step 13 of them under load (the other pytest-xdist worker's jobs). Sent at
+    # the first, with 80 to train, it lands with six times that margin (150 cost the suite 10-20 s more on 2 cores).
+    total = 80
     job = _submit_tiny(slurm, tmp_path, train_iters=total)
     deadline = time.monotonic() + 180
     while not _metrics(tmp_path):  # training (and so the handler) is running
