@@ -267,7 +267,8 @@ def run_one(case: Case, system: str, call: Call) -> list[dict]:
                      "date": datetime.date.today().isoformat()}]
     started = time.monotonic()
     for attempt in range(3):  # again on a fresh port where another process took this one before the launch bound it
-        argv = argv if attempt == 0 else command()
+        if attempt:
+            argv = command()
         code, log = execute(argv, log_path, timeout, _env(system))
         if code == 0 or not port_was_taken(log) or (os.path.exists(record_file) and os.path.getsize(record_file)):
             break  # (a run that recorded something got past its rendezvous: its failure is its own)
